@@ -1,0 +1,23 @@
+"""tfpar: parallel and distributed training of Keras 3 models on TensorFlow 2."""
+
+from setuptools import find_packages, setup
+
+# Pinned to the versions the test suite runs against; see BUILD_NOTES.md for why.
+INSTALL_REQUIRES = [
+    "tensorflow==2.21.0",
+    "keras==3.15.1",
+    "tensorflow-datasets==4.9.10",
+    "absl-py>=2.1,<3",
+    "numpy>=1.26,<3",
+]
+
+setup(
+    name="tfpar",
+    version="0.1.0",
+    description="Parallel and distributed training of Keras 3 models on TensorFlow 2.",
+    packages=find_packages(include=["tfpar", "tfpar.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": ["pytest>=8,<10", "pytest-timeout>=2.3"]},
+    entry_points={"console_scripts": ["tfpar=tfpar.cli:main"]},
+)

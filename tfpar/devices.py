@@ -1,0 +1,106 @@
+"""Device discovery and logical CPUs, so multi-device code runs without GPUs."""
+
+from tfpar.errors import DeviceError, InitializationError
+
+
+def virtual_cpus(n, one_core_each=False):
+    """Splits the host CPU into `n` logical devices `/CPU:0` .. `/CPU:n-1`.
+
+    Call it before TensorFlow initializes its devices (before any op, strategy
+    or model is created). Calling it again with the same `n` is a no-op.
+
+    Args:
+      n: number of logical CPU devices.
+      one_core_each: make each logical device behave like one core: one thread
+        per op (intra-op 1) and at least `n` ops at once (inter-op >= n), so
+        that work placed on two devices runs on two cores. For benchmarks.
+
+    Returns:
+      The logical CPU device names.
+
+    Example:
+      >>> import tfpar
+      >>> tfpar.virtual_cpus(2)  # doctest: +SKIP
+      ['/device:CPU:0', '/device:CPU:1']
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"virtual_cpus(n) needs an integer n >= 1. Received: n={n!r}")
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        if one_core_each:
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+            tf.config.threading.set_inter_op_parallelism_threads(max(n, 2))
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError as error:
+        have = [d.name for d in tf.config.list_logical_devices("CPU")]
+        same_threads = not one_core_each or (
+            tf.config.threading.get_intra_op_parallelism_threads() == 1)
+        if len(have) == n and same_threads:
+            return have
+        raise InitializationError(
+            f"tfpar.virtual_cpus({n}) must be called before TensorFlow initializes its "
+            f"devices, but TensorFlow already runs with {len(have)} logical CPU(s)"
+            f"{'' if same_threads else ' and other thread settings'}. Call it at the top "
+            f"of your program, before creating any tensor, model or strategy.") from error
+    return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def default_devices():
+    """All GPUs, or all logical CPUs when there is no GPU."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+
+
+def device_type(device):
+    """'GPU', 'CPU', ... for a device string such as '/gpu:1'."""
+    import tensorflow as tf
+
+    return (tf.DeviceSpec.from_string(device).device_type or "").upper()
+
+
+def resolve_devices(devices):
+    """Validates a device list and returns it canonical ('/job:localhost/.../device:CPU:0').
+
+    Raises:
+      DeviceError: a device is malformed, does not exist, or is listed twice.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import device_util
+
+    if devices is None:
+        devices = default_devices()
+    if isinstance(devices, str):
+        devices = [devices]
+    devices = list(devices)
+    if not devices:
+        raise DeviceError("The device list is empty. Pass devices=None to use all devices.")
+    available = {}
+    for kind in ("CPU", "GPU"):
+        for d in tf.config.list_logical_devices(kind):
+            available[device_util.canonicalize(d.name)] = d.name
+    canonical = []
+    for device in devices:
+        try:
+            spec = tf.DeviceSpec.from_string(device)
+        except (ValueError, TypeError) as error:
+            raise DeviceError(
+                f"Malformed device {device!r}: use a name like '/cpu:0' or '/gpu:1'.") from error
+        if not spec.device_type:
+            raise DeviceError(f"Device {device!r} names no device type: use '/cpu:0' or '/gpu:1'.")
+        name = device_util.canonicalize(device)
+        if name not in available:
+            raise DeviceError(
+                f"Device {device!r} does not exist on this host. Available devices: "
+                f"{', '.join(available.values())}. For more logical CPUs, call "
+                f"tfpar.virtual_cpus(n) before TensorFlow starts.")
+        if name in canonical:
+            raise DeviceError(
+                f"Device {device!r} is listed twice in {devices!r}: each replica needs "
+                f"its own device.")
+        canonical.append(name)
+    return tuple(canonical)

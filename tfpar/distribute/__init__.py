@@ -1,0 +1,1 @@
+"""TensorFlow glue: strategies that execute tfpar's plans."""

@@ -1,0 +1,36 @@
+"""Builds the cross-device reduction ops for a chosen communication."""
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+
+from tfpar.plan import communication as comm
+
+
+def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0):
+    """Returns a `tf.distribute.CrossDeviceOps` for a concrete communication.
+
+    Args:
+      communication: a concrete choice from `tfpar.plan.communication`
+        (not "auto": resolve it with `select_communication` first).
+      devices: canonical device names, one per replica.
+      collective_keys: the strategy's `CollectiveKeys`, shared with its other
+        collectives so that instance keys never collide.
+      bytes_per_pack: for "ring", concatenate gradients into packs of about this
+        many bytes (0: one collective per tensor).
+    """
+    if communication == comm.NCCL:
+        return tf.distribute.NcclAllReduce()
+    if communication == comm.HIERARCHICAL:
+        return tf.distribute.HierarchicalCopyAllReduce()
+    if communication == comm.REDUCE_TO_ONE:
+        return tf.distribute.ReductionToOneDevice()
+    if communication == comm.RING:
+        return cross_device_ops_lib.CollectiveAllReduce(
+            devices=devices,
+            group_size=len(devices),
+            options=collective_util.Options(
+                bytes_per_pack=bytes_per_pack,
+                implementation=collective_util.CommunicationImplementation.RING),
+            collective_keys=collective_keys)
+    raise ValueError(f"No cross-device ops for communication {communication!r}.")

@@ -1,0 +1,21 @@
+"""Typed errors. Each message states the rule, what was received and how to fix it."""
+
+
+class DeviceError(ValueError):
+    """A device list names a device that does not exist, or one twice."""
+
+
+class CommunicationError(ValueError):
+    """An unknown or impossible all-reduce implementation was asked for."""
+
+
+class BatchSizeError(ValueError):
+    """A batch does not split into the replicas (or micro-batches) that share it."""
+
+
+class InitializationError(RuntimeError):
+    """Something must happen before TensorFlow initializes its devices, and it is too late."""
+
+
+class ReplicaContextError(RuntimeError):
+    """A collective was called outside `strategy.run`."""

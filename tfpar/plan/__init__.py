@@ -1,0 +1,1 @@
+"""Pure planning logic: plain Python, never imports TensorFlow."""

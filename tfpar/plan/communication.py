@@ -1,0 +1,43 @@
+"""Choosing the all-reduce implementation for a device list. Pure Python."""
+
+from tfpar.errors import CommunicationError
+
+AUTO = "auto"
+NCCL = "nccl"
+RING = "ring"
+REDUCE_TO_ONE = "reduce_to_one"
+HIERARCHICAL = "hierarchical"
+COMMUNICATIONS = (AUTO, NCCL, RING, REDUCE_TO_ONE, HIERARCHICAL)
+
+# The CPU all-reduce "auto" picks. Chosen by measurement: see
+# benchmarks/data_parallel.py and the figures in BUILD_NOTES.md.
+CPU_DEFAULT = RING
+
+
+def select_communication(requested, device_types):
+    """Returns the concrete all-reduce implementation for `requested`.
+
+    Args:
+      requested: one of `COMMUNICATIONS`.
+      device_types: the device type of each replica, e.g. `["GPU", "GPU"]`.
+
+    >>> select_communication("auto", ["GPU", "GPU"])
+    'nccl'
+    >>> select_communication("auto", ["CPU", "CPU"])
+    'ring'
+    """
+    if requested not in COMMUNICATIONS:
+        raise CommunicationError(
+            f"Unknown communication {requested!r}. Use one of: "
+            f"{', '.join(repr(c) for c in COMMUNICATIONS)}.")
+    types = [t.upper() for t in device_types]
+    all_gpus = bool(types) and all(t == "GPU" for t in types)
+    if requested == AUTO:
+        return NCCL if all_gpus else CPU_DEFAULT
+    if requested == NCCL and not all_gpus:
+        others = sorted(set(t for t in types if t != "GPU"))
+        raise CommunicationError(
+            f"communication='nccl' needs every replica on a GPU: NCCL only runs on "
+            f"NVIDIA GPUs, but the devices include {', '.join(others)} devices. Use "
+            f"communication='auto' (or 'ring') on CPUs.")
+    return requested
