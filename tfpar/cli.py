@@ -1,0 +1,23 @@
+"""The `tfpar` console script: `tfpar train [flags]`."""
+
+import sys
+
+_COMMANDS = {"train": "tfpar.train"}
+
+
+def main(argv=None):
+    argv = list(sys.argv if argv is None else argv)
+    if len(argv) < 2 or argv[1] not in _COMMANDS:
+        print(f"usage: tfpar {{{','.join(_COMMANDS)}}} [flags]   (tfpar COMMAND --help for flags)",
+              file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(_COMMANDS[argv[1]])
+    sys.argv = [f"tfpar {argv[1]}"] + argv[2:]
+    module.entry()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
