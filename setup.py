@@ -7,6 +7,7 @@ INSTALL_REQUIRES = [
     "tensorflow==2.21.0",
     "keras==3.15.1",
     "tensorflow-datasets==4.9.10",
+    "tensorboard==2.21.0",  # TF 2.21 no longer pulls it in; Keras TensorBoard callback needs it
     "absl-py>=2.1,<3",
     "numpy>=1.26,<3",
 ]

@@ -14,7 +14,8 @@ def main(argv=None):
     import importlib
 
     module = importlib.import_module(_COMMANDS[argv[1]])
-    sys.argv = [f"tfpar {argv[1]}"] + argv[2:]
+    # absl --help/--helpshort show the flags of the module named by sys.argv[0].
+    sys.argv = [module.__name__] + argv[2:]
     module.entry()
     return 0
 

@@ -12,7 +12,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 from tfpar import factory  # noqa: E402
 
@@ -55,33 +55,26 @@ def _as_float(features, label):
     return tf.cast(features, tf.float32), label
 
 
-class _Throughput:
-    """Keras callback timing epochs after the first (which includes tracing)."""
+def _throughput_callback(examples_per_epoch):
+    """A Keras callback measuring samples/s; the first epoch (tracing) counts only if alone."""
+    import keras
 
-    def __new__(cls, examples_per_epoch):
-        import keras
+    class Throughput(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch_seconds = []
 
-        class Callback(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.seconds = 0.0
-                self.epochs = 0
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
 
-            def on_epoch_begin(self, epoch, logs=None):
-                self._start = time.perf_counter()
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_seconds.append(time.perf_counter() - self._start)
 
-            def on_epoch_end(self, epoch, logs=None):
-                if epoch > self.params.get("initial_epoch", 0) or self.epochs_seen:
-                    self.seconds += time.perf_counter() - self._start
-                    self.epochs += 1
-                self.epochs_seen = True
+        def samples_per_second(self):
+            timed = self.epoch_seconds[1:] or self.epoch_seconds
+            return examples_per_epoch * len(timed) / sum(timed) if timed else 0.0
 
-            epochs_seen = False
-
-            def samples_per_second(self):
-                return examples_per_epoch * self.epochs / self.seconds if self.seconds else float("nan")
-
-        return Callback()
+    return Throughput()
 
 
 def callbacks_for(model_dir, log_dir):
@@ -125,8 +118,8 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
             optimizer=keras.optimizers.Adam(learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"])
-    throughput = _Throughput(train.num_examples)
-    model.fit(train_ds, epochs=epochs, validation_data=test_ds, verbose=verbose,
+    throughput = _throughput_callback(train.num_examples)
+    model.fit(train_ds, epochs=epochs, validation_data=test_ds, verbose=verbose, shuffle=False,
               callbacks=callbacks_for(model_dir, log_dir) + [throughput])
     loss, accuracy = model.evaluate(test_ds, verbose=0)
     if model_dir and _is_chief(strategy):
@@ -151,6 +144,8 @@ def _is_chief(strategy):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
     result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
                  FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
                  FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose)

@@ -1,0 +1,76 @@
+"""The absl training binary, run as users run it: in its own process."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from test_data import TinyDigits
+
+pytestmark = pytest.mark.slow
+
+
+def _train(*flags, timeout=240):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, "-m", "tfpar.train", "--verbose=2", *flags],
+                            capture_output=True, text=True, timeout=timeout, env=env)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _final(output):
+    match = re.search(r"final: loss=([\d.]+) accuracy=([\d.]+) samples/s=(\d+) replicas=(\d+)",
+                      output)
+    assert match, output[-3000:]
+    return float(match[1]), float(match[2]), int(match[3]), int(match[4])
+
+
+def test_default_job_reaches_accuracy():
+    code, output = _train()
+    assert code == 0, output[-3000:]
+    loss, accuracy, samples_per_second, replicas = _final(output)
+    assert replicas == 2
+    assert accuracy >= 0.9
+    assert samples_per_second > 0
+    assert "Epoch 20/20" in output
+
+
+def test_rerun_resumes_from_model_dir(tmp_path):
+    model_dir = str(tmp_path / "run")
+    code, output = _train("--epochs=2", f"--model_dir={model_dir}", f"--log_dir={tmp_path}/logs")
+    assert code == 0, output[-3000:]
+    code, output = _train("--epochs=3", f"--model_dir={model_dir}")
+    assert code == 0, output[-3000:]
+    assert "Epoch 3/3" in output and "Epoch 1/3" not in output and "Epoch 2/3" not in output
+    assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == [
+        "epoch-001.weights.h5", "epoch-002.weights.h5", "epoch-003.weights.h5"]
+    assert os.path.exists(os.path.join(model_dir, "model.keras"))
+    assert any(p.name.startswith("events.out") for p in (tmp_path / "logs").rglob("*"))
+
+
+def test_trains_on_a_tfds_dataset_from_data_dir(tmp_path):
+    TinyDigits(data_dir=str(tmp_path)).download_and_prepare()
+    code, output = _train("--dataset=tiny_digits", f"--data_dir={tmp_path}", "--epochs=1",
+                          "--batch_size=8", "--num_devices=4")
+    assert code == 0, output[-3000:]
+    assert _final(output)[3] == 4
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--batch_size=1"], r"global batch size \(1\) is smaller than the number of replicas \(2\)"),
+    (["--batch_size=5"], r"does not divide evenly over 2 replicas"),
+    (["--strategy=bogus"], r"strategy"),
+    (["--communication=nccl"], r"NCCL"),
+])
+def test_bad_flags_fail_fast_with_a_clear_message(flags, message):
+    code, output = _train(*flags, timeout=120)
+    assert code != 0
+    assert re.search(message, output), output[-3000:]
+
+
+def test_console_script_help():
+    result = subprocess.run(["tfpar", "train", "--helpshort"], capture_output=True, text=True,
+                            timeout=60)
+    # absl's help flags exit with status 1 after printing.
+    assert "--num_devices" in result.stdout and "--model_dir" in result.stdout
