@@ -8,7 +8,7 @@ import tensorflow as tf
 import tfpar
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.errors import BatchSizeError, CommunicationError, DeviceError
-from tfpar.plan.communication import select_communication
+from tfpar.plan.communication import CPU_DEFAULT, select_communication
 
 from conftest import cpus, small_model, toy_data
 
@@ -52,7 +52,7 @@ def test_replicas_equal_one_device(reference, optimizer):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("communication", ["reduce_to_one", "hierarchical"])
+@pytest.mark.parametrize("communication", ["ring", "reduce_to_one", "hierarchical"])
 def test_other_cpu_reductions_equal_one_device(reference, communication):
     x, y, initial, single = reference
     strategy = tfpar.DataParallelStrategy(cpus(2), communication=communication)
@@ -62,7 +62,7 @@ def test_other_cpu_reductions_equal_one_device(reference, communication):
 
 def test_packed_ring_equals_one_device(reference):
     x, y, initial, single = reference
-    strategy = tfpar.DataParallelStrategy(cpus(4), bytes_per_pack=256)
+    strategy = tfpar.DataParallelStrategy(cpus(4), communication="ring", bytes_per_pack=256)
     for got, want in zip(_train(strategy, "adam", x, y, initial), single["adam"]):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
@@ -89,7 +89,9 @@ def test_checkpoint_from_2_replicas_restores_under_4_and_none(tmp_path, toy):
 
 
 def test_communication_choice_on_cpus():
-    assert tfpar.DataParallelStrategy(cpus(2)).communication == "ring"
+    assert tfpar.DataParallelStrategy(cpus(2)).communication == CPU_DEFAULT
+    with pytest.raises(ValueError, match="bytes_per_pack packs gradients for communication='ring'"):
+        tfpar.DataParallelStrategy(cpus(2), communication="reduce_to_one", bytes_per_pack=1024)
     with pytest.raises(CommunicationError, match="NCCL"):
         tfpar.DataParallelStrategy(cpus(2), communication="nccl")
     with pytest.raises(CommunicationError, match="Unknown communication"):

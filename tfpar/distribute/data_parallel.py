@@ -14,14 +14,15 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     """Synchronous data parallelism: one replica per device, gradients all-reduced.
 
     A `tf.distribute.MirroredStrategy` whose all-reduce is chosen for the
-    devices (NCCL on GPUs, ring collectives on CPUs) and whose collective keys
+    devices (NCCL on GPUs, a measured choice on CPUs) and whose collective keys
     are its own, so that strategies of any size coexist in one process.
 
     Args:
       devices: device names, one replica each. None: all GPUs, or all logical
         CPUs when there is no GPU.
       communication: "auto" (NCCL when every device is a GPU, else the fastest
-        CPU path measured), "nccl", "ring", "reduce_to_one" or "hierarchical".
+        CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one" or
+        "hierarchical".
       bytes_per_pack: for ring all-reduce, pack gradients into chunks of about
         this many bytes (0: one collective per gradient).
 
@@ -43,6 +44,10 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
             communication, [devices_lib.device_type(d) for d in resolved])
         # Read by MirroredExtended when it makes its CollectiveKeys.
         self._collective_key_base = group_keys.next_key_base()
+        if bytes_per_pack and self.communication != "ring":
+            raise ValueError(
+                f"bytes_per_pack packs gradients for communication='ring', but this strategy "
+                f"uses {self.communication!r}. Pass communication='ring' or drop bytes_per_pack.")
         extended = _DataParallelExtended(
             self, resolved, self.communication, bytes_per_pack)
         super(tf.distribute.MirroredStrategy, self).__init__(extended)

@@ -1,0 +1,131 @@
+"""DataParallelStrategy against stock MirroredStrategy and one device, side by side.
+
+Each logical CPU is limited to one core. Candidates are measured in alternating
+rounds in one process, so drift on the shared machine hits all of them alike.
+
+    python benchmarks/data_parallel.py [--devices 2] [--rounds 7] [--out FILE]
+
+Prints a table and writes JSON (default benchmarks/results/data_parallel.json).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--global_batch", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "data_parallel.json"))
+    return parser.parse_args()
+
+
+def make_step(strategy, args):
+    """A compiled SGD step of an MLP under `strategy`, fed one fixed global batch."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((args.width,))]
+            + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.layers)]
+            + [keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.001)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.global_batch, args.width)).astype("float32")
+    y = rng.integers(0, 10, args.global_batch).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=args.global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def steps(n):
+        total = tf.constant(0.0)
+        for _ in tf.range(n):
+            total += strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
+        return total
+
+    steps(tf.constant(2))  # trace and warm up
+    return lambda: float(steps(tf.constant(args.steps)))
+
+
+def main():
+    args = parse_args()
+    import tfpar
+
+    tfpar.virtual_cpus(args.devices, one_core_each=True)
+    import tensorflow as tf
+
+    devices = [f"/cpu:{i}" for i in range(args.devices)]
+    grad_bytes = 4 * ((args.layers * (args.width + 1) * args.width) + (args.width + 1) * 10)
+    candidates = {
+        "stock MirroredStrategy": lambda: tf.distribute.MirroredStrategy(devices),
+        "tfpar auto": lambda: tfpar.DataParallelStrategy(devices),
+        "tfpar ring": lambda: tfpar.DataParallelStrategy(devices, communication="ring"),
+        "tfpar ring packed 4MiB": lambda: tfpar.DataParallelStrategy(
+            devices, communication="ring", bytes_per_pack=4 << 20),
+        "tfpar reduce_to_one": lambda: tfpar.DataParallelStrategy(
+            devices, communication="reduce_to_one"),
+        "one device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
+    }
+    runners = {name: make_step(make(), args) for name, make in candidates.items()}
+    times = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / args.steps)
+
+    step = {name: statistics.median(t) for name, t in times.items()}
+    stock = step["stock MirroredStrategy"]
+    rows = {}
+    for name, seconds in step.items():
+        rows[name] = {
+            "step_ms": round(seconds * 1000, 2),
+            "samples_per_s": round(args.global_batch / seconds, 1),
+            "step_time_vs_stock": round(seconds / stock, 3),
+            "speedup_vs_one_device": round(step["one device"] / seconds, 3),
+        }
+    result = {
+        "benchmark": "data_parallel",
+        "command": "python benchmarks/data_parallel.py " + " ".join(
+            f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
+        "devices": args.devices, "global_batch": args.global_batch,
+        "model": f"MLP {args.layers}x{args.width}, {grad_bytes / 2**20:.1f} MiB of gradients",
+        "tensorflow": tf.__version__, "host": platform.node(), "rows": rows,
+        "all_step_ms": {k: [round(t * 1000, 2) for t in v] for k, v in times.items()},
+    }
+    print(f"{result['model']}, global batch {args.global_batch}, {args.devices} logical CPUs "
+          f"(one core each), median of {args.rounds} rounds x {args.steps} steps")
+    print(f"{'candidate':28s} {'step ms':>9s} {'samples/s':>10s} {'vs stock':>9s} {'vs 1 dev':>9s}")
+    for name, row in rows.items():
+        print(f"{name:28s} {row['step_ms']:9.2f} {row['samples_per_s']:10.0f} "
+              f"{row['step_time_vs_stock']:9.3f} {row['speedup_vs_one_device']:9.3f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
