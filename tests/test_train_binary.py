@@ -74,3 +74,14 @@ def test_console_script_help():
                             timeout=60)
     # absl's help flags exit with status 1 after printing.
     assert "--num_devices" in result.stdout and "--model_dir" in result.stdout
+
+
+def test_example_binary_trains():
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "data_parallel.py")
+    result = subprocess.run([sys.executable, example, "--epochs=2"], capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"replicas=2, communication='reduce_to_one'\): test loss=[\d.]+ "
+                      r"accuracy=([\d.]+)", result.stdout)
+    assert match, result.stdout[-2000:]
+    assert float(match[1]) > 0.6
