@@ -1,8 +1,8 @@
-"""The `tfpar` console script: `tfpar train [flags]`."""
+"""The `tfpar` console script: `tfpar train [flags]`, `tfpar launch [flags] -- command`."""
 
 import sys
 
-_COMMANDS = {"train": "tfpar.train"}
+_COMMANDS = {"train": "tfpar.train", "launch": "tfpar.launch"}
 
 
 def main(argv=None):
