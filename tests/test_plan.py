@@ -59,3 +59,14 @@ def test_import_does_not_load_tensorflow():
             "assert 'tensorflow' not in sys.modules, 'tensorflow imported';"
             "assert 'DataParallelStrategy' in tfpar.__all__")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("requested,types,expected", [
+    ("auto", ["CPU"], "ring"), ("auto", ["GPU", "GPU"], "nccl"), ("ring", ["GPU"], "ring")])
+def test_select_communication_multi_worker(requested, types, expected):
+    assert select_communication(requested, types, multi_worker=True) == expected
+
+
+def test_single_host_reductions_refused_across_workers():
+    with pytest.raises(CommunicationError, match="'reduce_to_one' only works on one host"):
+        select_communication("reduce_to_one", ["CPU"], multi_worker=True)

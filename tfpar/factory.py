@@ -3,17 +3,22 @@
 STRATEGIES = ("data",)
 
 
-def make_strategy(name, num_devices=None, communication="auto"):
+def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
-    Call `tfpar.virtual_cpus` first when running on CPUs only.
+    In a TF_CONFIG cluster of several workers each worker uses all its local devices
+    and `num_devices` is ignored. Call `tfpar.virtual_cpus` first when running on
+    CPUs only.
     """
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}. Use one of: {', '.join(STRATEGIES)}.")
     from tfpar import devices as devices_lib
     from tfpar.distribute.data_parallel import DataParallelStrategy
+    from tfpar.distribute.multi_worker import cluster_worker_count
 
+    if cluster_worker_count() > 1:  # TF_CONFIG names several workers
+        return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds)
     devices = devices_lib.default_devices()
     if num_devices is not None:
         if num_devices < 1 or num_devices > len(devices):

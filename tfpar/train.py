@@ -8,6 +8,7 @@ spirals dataset, printing Keras progress, then final loss, accuracy, samples/s.
 """
 
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,7 +31,9 @@ flags.DEFINE_string("model_dir", None, "Checkpoints and the final model; a rerun
 # tfpar writes its TensorBoard logs there rather than define a clashing flag.
 if "log_dir" not in FLAGS:
     flags.DEFINE_string("log_dir", None, "TensorBoard log directory.")
-flags.DEFINE_integer("seed", 0, "Seed for weights and shuffling.")
+flags.DEFINE_integer("seed", 0, "Seed for weights and shuffling (the same on every worker).")
+flags.DEFINE_float("timeout_seconds", 60.0,
+                   "Across workers: a collective waiting longer than this for a peer fails.")
 flags.DEFINE_integer("verbose", 1, "Keras progress: 0 silent, 1 bar, 2 a line an epoch.")
 
 
@@ -95,13 +98,15 @@ def callbacks_for(model_dir, log_dir):
 
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
-        log_dir=None, seed=0, verbose=1):
+        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second."""
     from tfpar import data, devices
+    from tfpar.cluster.tf_config import parse_tf_config
 
-    if not _has_gpu():
+    cluster = parse_tf_config()
+    if not _has_gpu() and (cluster is None or cluster.num_workers < 2):
         devices.virtual_cpus(num_devices)
-    strategy = factory.make_strategy(strategy_name, num_devices, communication)
+    strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds)
     import keras
 
     from tfpar.plan.batching import per_replica_batch_size
@@ -122,7 +127,7 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
     model.fit(train_ds, epochs=epochs, validation_data=test_ds, verbose=verbose, shuffle=False,
               callbacks=callbacks_for(model_dir, log_dir) + [throughput])
     loss, accuracy = model.evaluate(test_ds, verbose=0)
-    if model_dir and _is_chief(strategy):
+    if model_dir and strategy.extended.should_checkpoint:  # the chief only
         model.save(os.path.join(model_dir, "model.keras"))
     return {"loss": float(loss), "accuracy": float(accuracy),
             "samples_per_second": throughput.samples_per_second(),
@@ -135,10 +140,21 @@ def _has_gpu():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _is_chief(strategy):
-    resolver = getattr(strategy, "cluster_resolver", None)
-    return resolver is None or resolver.task_type in (None, "chief") or (
-        resolver.task_type == "worker" and resolver.task_id == 0)
+def _peer_failure(error):
+    """A clear message for a worker that lost its peers, or None for other errors."""
+    import tensorflow as tf
+
+    peer_errors = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                   tf.errors.AbortedError, tf.errors.InternalError, tf.errors.CancelledError)
+    from tfpar.cluster.tf_config import parse_tf_config
+
+    cluster = parse_tf_config()
+    if not isinstance(error, peer_errors) or cluster is None or cluster.num_workers < 2:
+        return None
+    detail = " ".join(str(error.message).split())[:300]
+    return (f"tfpar: training stopped on {cluster.task_name}: a peer worker failed or became "
+            f"unreachable ({type(error).__name__}: {detail}). Restart all workers with the same "
+            f"--model_dir to resume from the last completed epoch.")
 
 
 def main(argv):
@@ -146,11 +162,20 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)
-    result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
-                 FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
-                 FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose)
+    try:
+        result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
+                     FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
+                     FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
+                     FLAGS.timeout_seconds)
+    except Exception as error:
+        message = _peer_failure(error)
+        if message is None:
+            raise
+        print(message, file=sys.stderr, flush=True)
+        return 1
     print(f"final: loss={result['loss']:.4f} accuracy={result['accuracy']:.4f} "
           f"samples/s={result['samples_per_second']:.0f} replicas={result['replicas']}")
+    return 0
 
 
 def entry():

@@ -15,7 +15,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
 
     A `tf.distribute.MirroredStrategy` whose all-reduce is chosen for the
     devices (NCCL on GPUs, a measured choice on CPUs) and whose collective keys
-    are its own, so that strategies of any size coexist in one process.
+    are its own, so that strategies of any size coexist in one process. When
+    TF_CONFIG (or `cluster_resolver`) names several workers, it is instead a
+    `tf.distribute.MultiWorkerMirroredStrategy` on which Keras `fit` works.
 
     Args:
       devices: device names, one replica each. None: all GPUs, or all logical
@@ -25,6 +27,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         "hierarchical".
       bytes_per_pack: for ring all-reduce, pack gradients into chunks of about
         this many bytes (0: one collective per gradient).
+      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; by
+        default TF_CONFIG is read. With more than one worker (chief + workers)
+        the strategy trains synchronously across them, and `devices` must be None.
+      timeout_seconds: across workers, a collective that waits longer than this
+        for a peer fails (a dead peer ends training instead of hanging).
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -35,7 +42,17 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
       >>> _ = model.fit(np.zeros((8, 2)), np.zeros(8), batch_size=4, verbose=0)
     """
 
-    def __init__(self, devices=None, communication="auto", bytes_per_pack=0):
+    def __new__(cls, devices=None, communication="auto", bytes_per_pack=0,
+                cluster_resolver=None, timeout_seconds=None):
+        if cls is DataParallelStrategy:
+            from tfpar.distribute import multi_worker
+
+            if multi_worker.cluster_worker_count(cluster_resolver) > 1:
+                cls = multi_worker.MultiWorkerDataParallelStrategy
+        return super().__new__(cls)
+
+    def __init__(self, devices=None, communication="auto", bytes_per_pack=0,
+                 cluster_resolver=None, timeout_seconds=None):
         if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
             raise ValueError(
                 f"bytes_per_pack must be an integer >= 0. Received: {bytes_per_pack!r}")

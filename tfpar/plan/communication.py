@@ -15,12 +15,17 @@ COMMUNICATIONS = (AUTO, NCCL, RING, REDUCE_TO_ONE, HIERARCHICAL)
 CPU_DEFAULT = REDUCE_TO_ONE
 
 
-def select_communication(requested, device_types):
+# Across workers only collectives can reduce: NCCL on GPUs, the ring elsewhere.
+MULTI_WORKER = (AUTO, NCCL, RING)
+
+
+def select_communication(requested, device_types, multi_worker=False):
     """Returns the concrete all-reduce implementation for `requested`.
 
     Args:
-      requested: one of `COMMUNICATIONS`.
-      device_types: the device type of each replica, e.g. `["GPU", "GPU"]`.
+      requested: one of `COMMUNICATIONS` (`MULTI_WORKER` when `multi_worker`).
+      device_types: the device type of each local replica, e.g. `["GPU", "GPU"]`.
+      multi_worker: reduce across worker processes too.
 
     >>> select_communication("auto", ["GPU", "GPU"])
     'nccl'
@@ -31,10 +36,14 @@ def select_communication(requested, device_types):
         raise CommunicationError(
             f"Unknown communication {requested!r}. Use one of: "
             f"{', '.join(repr(c) for c in COMMUNICATIONS)}.")
+    if multi_worker and requested not in MULTI_WORKER:
+        raise CommunicationError(
+            f"communication={requested!r} only works on one host. Across workers use "
+            f"{', '.join(repr(c) for c in MULTI_WORKER)}.")
     types = [t.upper() for t in device_types]
     all_gpus = bool(types) and all(t == "GPU" for t in types)
     if requested == AUTO:
-        return NCCL if all_gpus else CPU_DEFAULT
+        return NCCL if all_gpus else (RING if multi_worker else CPU_DEFAULT)
     if requested == NCCL and not all_gpus:
         others = sorted(set(t for t in types if t != "GPU"))
         raise CommunicationError(

@@ -1,0 +1,157 @@
+"""Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1."""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multi_worker_common as common
+from tfpar.cluster.launcher import Task, make_cluster
+from tfpar.cluster.tf_config import ClusterConfig
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(__file__)
+FIT_WORKER = os.path.join(HERE, "workers", "fit.py")
+
+
+class Cluster:
+    """Worker processes started by a test: output collected, always killed at the end."""
+
+    def __init__(self, workers):
+        self.cluster = make_cluster(workers)
+        self.lines = []
+        self.tasks = []
+        self._lock = threading.Lock()
+
+    def _collect(self, line):
+        with self._lock:
+            self.lines.append(line)
+
+    def start(self, args, index=None):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        indices = range(len(self.cluster["worker"])) if index is None else [index]
+        for i in indices:
+            config = ClusterConfig(self.cluster, "worker", i)
+            self.tasks.append(Task(config, [sys.executable, *args], env, self._collect))
+
+    def wait(self, timeout):
+        deadline = time.monotonic() + timeout
+        codes = []
+        for task in self.tasks:
+            codes.append(task.process.wait(max(0.1, deadline - time.monotonic())))
+        for task in self.tasks:
+            task.join_output()
+        return codes
+
+    def output(self, task_name=None):
+        with self._lock:
+            return "\n".join(l for l in self.lines if task_name is None or l.startswith(f"[{task_name}]"))
+
+    def kill_all(self):
+        for task in self.tasks:
+            task.signal(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                task.process.wait(10)
+
+
+@pytest.fixture
+def cluster():
+    clusters = []
+
+    def make(workers=2):
+        clusters.append(Cluster(workers))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.kill_all()
+
+
+def _single_process_weights(epochs):
+    x, y = common.data()
+    model = common.model()
+    model.compile(keras.optimizers.SGD(common.LEARNING_RATE), common.loss())
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH),
+              epochs=epochs, verbose=0)
+    return model.get_weights()
+
+
+def test_two_workers_fit_equals_one_process(cluster, tmp_path):
+    workers = cluster(2)
+    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2"])
+    assert workers.wait(timeout=240) == [0, 0], workers.output()[-4000:]
+    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
+    for result in results:
+        assert result["strategy"] == "DataParallelStrategy(workers=2, replicas=2, communication='ring')"
+        assert result["epochs_run"] == 2
+        assert result["iterations"] == 2 * common.EXAMPLES // common.GLOBAL_BATCH
+        assert result["predictions_shape"] == [common.EXAMPLES, 3]
+    weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in (0, 1)]
+    for w0, w1 in zip(*weights):
+        np.testing.assert_array_equal(w0, w1)
+    for got, want in zip(weights[0], _single_process_weights(2)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _train_args(model_dir, epochs):
+    return ["-m", "tfpar.train", "--strategy=data", "--verbose=2", f"--epochs={epochs}",
+            f"--model_dir={model_dir}", "--timeout_seconds=20"]
+
+
+def test_dead_worker_stops_the_other_then_relaunch_resumes(cluster, tmp_path):
+    model_dir = tmp_path / "run"
+    workers = cluster(2)
+    workers.start(_train_args(model_dir, 4))
+    # Kill worker 1 a moment into epoch 2 (epoch 1 has been backed up by then).
+    deadline = time.monotonic() + 180
+    while "Epoch 2/4" not in workers.output("worker:1"):
+        assert time.monotonic() < deadline, workers.output()[-4000:]
+        assert workers.tasks[1].process.poll() is None, workers.output()[-4000:]
+        time.sleep(0.05)
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    workers.tasks[1].signal(signal.SIGKILL)
+    code = workers.tasks[0].process.wait(timeout=90)
+    survivor = workers.output("worker:0")
+    assert code != 0
+    assert time.monotonic() - killed_at < 60
+    assert re.search(r"tfpar: training stopped on worker:0: a peer worker failed", survivor), \
+        survivor[-3000:]
+    assert "final:" not in survivor
+
+    resumed = cluster(2)
+    resumed.cluster = workers.cluster  # same addresses, as a restarted job would have
+    resumed.start(_train_args(model_dir, 4))
+    assert resumed.wait(timeout=240) == [0, 0], resumed.output()[-4000:]
+    for name in ("worker:0", "worker:1"):
+        out = resumed.output(name)
+        epochs = re.findall(r"Epoch (\d)/4", out)
+        assert epochs == ["2", "3", "4"], out[-3000:]
+        assert "final: loss=" in out
+    assert (model_dir / "model.keras").exists()
+
+
+def test_launcher_runs_the_binary_on_two_workers(tmp_path):
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.launch", "--workers=2", "--", sys.executable, "-m",
+         "tfpar.train", "--verbose=2", "--epochs=2", f"--model_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    finals = re.findall(r"\[(worker:\d)\] final: loss=([\d.]+) accuracy=([\d.]+)", result.stdout)
+    assert sorted(f[0] for f in finals) == ["worker:0", "worker:1"]
+    assert finals[0][1:] == finals[1][1:]  # same model on both workers
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "epoch-001.weights.h5", "epoch-002.weights.h5"]

@@ -1,0 +1,57 @@
+"""A worker of the multi-worker tests: trains a small model with model.fit.
+
+Run under `tfpar launch`; writes <out>/<task>.npz with the final weights and
+<out>/<task>.json with history, evaluate and predict results.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import multi_worker_common as common  # noqa: E402
+
+
+def main(out, epochs, model_dir=None, crash_at=None, timeout=None):
+    import keras
+    import tensorflow as tf
+
+    import tfpar
+
+    keras.config.disable_traceback_filtering()
+    strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{task['type']}-{task['index']}"
+    x, y = common.data()
+    with strategy.scope():
+        model = common.model()
+        model.compile(keras.optimizers.SGD(common.LEARNING_RATE), common.loss(),
+                      metrics=["accuracy"])
+    callbacks = [common.SlowDown()]
+    if model_dir:
+        callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")))
+    if crash_at is not None and task["index"] == 1:
+        callbacks.append(common.CrashAt(crash_at))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    history = model.fit(dataset, epochs=epochs, verbose=2, callbacks=callbacks)
+    loss, accuracy = model.evaluate(dataset, verbose=0)
+    predictions = model.predict(dataset, verbose=0)
+    if model_dir and strategy.cluster_resolver.task_id == 0:
+        model.save(os.path.join(model_dir, "model.keras"))
+    np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"epochs_run": len(history.history["loss"]), "loss": loss,
+                   "predictions_shape": list(predictions.shape),
+                   "iterations": int(model.optimizer.iterations.numpy()),
+                   "strategy": repr(strategy)}, f)
+
+
+if __name__ == "__main__":
+    args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
+    main(args["out"], int(args.get("epochs", 2)), args.get("model_dir"),
+         int(args["crash_at"]) if "crash_at" in args else None,
+         float(args["timeout"]) if "timeout" in args else None)

@@ -1,0 +1,102 @@
+"""Synchronous data parallelism across TF_CONFIG workers (collective all-reduce)."""
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+
+from tfpar import keras_seam
+from tfpar.cluster.tf_config import parse_tf_config
+from tfpar.distribute import group_keys
+from tfpar.distribute.data_parallel import DataParallelStrategy, check_first_batch
+from tfpar.errors import DeviceError
+from tfpar.plan.communication import NCCL, select_communication
+
+_IMPLEMENTATIONS = {
+    NCCL: collective_util.CommunicationImplementation.NCCL,
+    "ring": collective_util.CommunicationImplementation.RING,
+}
+
+
+def cluster_worker_count(cluster_resolver=None):
+    """Training tasks (chief + workers) in the cluster; 0 when there is no cluster.
+
+    TF_CONFIG is validated here, so a malformed one fails fast with a clear error.
+    """
+    if cluster_resolver is not None:
+        spec = cluster_resolver.cluster_spec().as_dict()
+        jobs = {job: len(tasks) for job, tasks in spec.items()}
+    else:
+        config = parse_tf_config()
+        if config is None:
+            return 0
+        jobs = {job: len(tasks) for job, tasks in config.cluster.items()}
+    if jobs.get("ps"):
+        raise ValueError(
+            "The cluster has parameter-server ('ps') tasks, which DataParallelStrategy does not "
+            "use: use tfpar.ParameterServerStrategy, or remove 'ps' from TF_CONFIG.")
+    return jobs.get("chief", 0) + jobs.get("worker", 0)
+
+
+class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
+
+    It is also a `tf.distribute.MultiWorkerMirroredStrategy`, so Keras takes its
+    multi-worker paths (gathering predictions across workers, for example).
+    """
+
+    _tfpar_multi_worker = True
+
+    def __init__(self, devices=None, communication="auto", bytes_per_pack=0,
+                 cluster_resolver=None, timeout_seconds=None):
+        if devices is not None:
+            raise DeviceError(
+                "devices cannot be chosen across workers: each worker uses all its GPUs, or "
+                "its CPU. Pass devices=None.")
+        resolver = cluster_resolver or tfconfig_cluster_resolver.TFConfigClusterResolver()
+        gpus = tf.config.list_physical_devices("GPU")
+        self.communication = select_communication(
+            communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True)
+        options = collective_util.Options(
+            bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds,
+            implementation=_IMPLEMENTATIONS[self.communication])
+        self._collective_key_base = group_keys.next_key_base()
+        extended = _MultiWorkerExtended(
+            self, cluster_resolver=resolver, communication_options=options)
+        super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
+        keras_seam.install_multi_worker_callbacks()
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras' multi-worker path reduces scalar step outputs (loss, metrics) with
+        # axis=0, which fails on a scalar; the mean over replicas is what it means.
+        if axis is not None and _rank(value) == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
+
+    def __repr__(self):
+        return (f"DataParallelStrategy(workers={self.extended._num_workers}, "
+                f"replicas={self.num_replicas_in_sync}, communication={self.communication!r})")
+
+
+def _rank(value):
+    if isinstance(value, tf.distribute.DistributedValues):
+        value = value.values[0]
+    shape = getattr(value, "shape", None)
+    return None if shape is None else shape.rank
+
+
+class _MultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # Keras reduces a whole (x, y) data batch in one call; the stock code only
+        # takes a single value across workers ("unsupported type PerReplica to a
+        # Tensor", keras-team/keras#20585).
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(
+                lambda v: super(_MultiWorkerExtended, self)._reduce_to(
+                    reduce_op, v, destinations, options), value)
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        dataset = check_first_batch(dataset, self._num_replicas_in_sync)
+        return super()._experimental_distribute_dataset(dataset, options)
