@@ -9,10 +9,10 @@ EXAMPLES = 128
 LEARNING_RATE = 0.1
 
 
-def data():
+def data(examples=EXAMPLES):
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(EXAMPLES, 4)).astype("float32"),
-            (np.arange(EXAMPLES) % 3).astype("int32"))
+    return (rng.normal(size=(examples, 4)).astype("float32"),
+            (np.arange(examples) % 3).astype("int32"))
 
 
 def model():

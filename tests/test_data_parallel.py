@@ -126,3 +126,22 @@ def test_global_batch_smaller_than_replicas(toy):
     unknown = tf.data.Dataset.from_tensor_slices((x, y)).batch(3).filter(lambda a, b: True)
     with pytest.raises(tf.errors.InvalidArgumentError, match="smaller than the number of replicas"):
         model.fit(unknown, verbose=0)
+
+
+def test_malformed_tf_config_fails_fast(monkeypatch):
+    from tfpar.cluster import TFConfigError
+
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}')
+    with pytest.raises(TFConfigError, match="no 'task' field"):
+        tfpar.DataParallelStrategy()
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},'
+                                    ' "task": {"type": "worker", "index": 0}}')
+    with pytest.raises(ValueError, match="ParameterServerStrategy"):
+        tfpar.DataParallelStrategy()
+
+
+def test_single_worker_tf_config_stays_on_one_host(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1"]},'
+                                    ' "task": {"type": "worker", "index": 0}}')
+    strategy = tfpar.DataParallelStrategy(cpus(2))
+    assert type(strategy) is tfpar.DataParallelStrategy and strategy.num_replicas_in_sync == 2

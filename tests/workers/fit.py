@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import multi_worker_common as common  # noqa: E402
 
 
-def main(out, epochs, model_dir=None, crash_at=None, timeout=None):
+def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=common.EXAMPLES):
     import keras
     import tensorflow as tf
 
@@ -26,7 +26,7 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None):
     strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}-{task['index']}"
-    x, y = common.data()
+    x, y = common.data(examples)
     with strategy.scope():
         model = common.model()
         model.compile(keras.optimizers.SGD(common.LEARNING_RATE), common.loss(),
@@ -54,4 +54,5 @@ if __name__ == "__main__":
     args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
     main(args["out"], int(args.get("epochs", 2)), args.get("model_dir"),
          int(args["crash_at"]) if "crash_at" in args else None,
-         float(args["timeout"]) if "timeout" in args else None)
+         float(args["timeout"]) if "timeout" in args else None,
+         int(args.get("examples", common.EXAMPLES)))

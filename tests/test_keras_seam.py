@@ -1,0 +1,33 @@
+"""The Keras seam: file-writing callbacks write on the chief only."""
+
+import types
+
+import keras
+
+from tfpar import keras_seam
+
+
+def _callback(multi_worker, chief):
+    extended = types.SimpleNamespace(should_checkpoint=chief)
+    strategy = types.SimpleNamespace(_tfpar_multi_worker=multi_worker, extended=extended)
+    callback = keras.callbacks.Callback()
+    callback._model = types.SimpleNamespace(distribute_strategy=strategy)
+    return callback
+
+
+def test_only_non_chief_workers_of_tfpar_strategies_skip_writes():
+    assert keras_seam._is_non_chief_worker(_callback(True, chief=False))
+    assert not keras_seam._is_non_chief_worker(_callback(True, chief=True))
+    assert not keras_seam._is_non_chief_worker(_callback(False, chief=False))
+
+
+def test_install_wraps_once():
+    keras_seam.install_multi_worker_callbacks()
+    first = keras.callbacks.BackupAndRestore._save_model
+    keras_seam.install_multi_worker_callbacks()
+    assert keras.callbacks.BackupAndRestore._save_model is first
+    assert first._tfpar_chief_only and keras.callbacks.ModelCheckpoint._save_model._tfpar_chief_only
+    calls = []
+    wrapped = keras_seam._chief_only(lambda self: calls.append(1) or "saved")
+    assert wrapped(_callback(True, chief=False)) is None and calls == []
+    assert wrapped(_callback(True, chief=True)) == "saved" and calls == [1]
