@@ -45,7 +45,9 @@ def virtual_cpus(n, one_core_each=False):
             f"devices, but TensorFlow already runs with {len(have)} logical CPU(s)"
             f"{'' if same_threads else ' and other thread settings'}. Call it at the top "
             f"of your program, before creating any tensor, model or strategy.") from error
-    return [d.name for d in tf.config.list_logical_devices("CPU")]
+    # Listing logical devices would initialize TensorFlow, and a multi-worker
+    # strategy created afterwards must still be able to configure collectives.
+    return [f"/device:CPU:{i}" for i in range(n)]
 
 
 def default_devices():

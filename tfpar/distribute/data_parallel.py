@@ -26,7 +26,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one" or
         "hierarchical".
       bytes_per_pack: for ring all-reduce, pack gradients into chunks of about
-        this many bytes (0: one collective per gradient).
+        this many bytes (0: one collective per gradient). None: 0 on one host
+        (packing measured no gain there), 4 MiB across workers (measured ~15%
+        faster steps than unpacked; see BUILD_NOTES.md).
       cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; by
         default TF_CONFIG is read. With more than one worker (chief + workers)
         the strategy trains synchronously across them, and `devices` must be None.
@@ -42,7 +44,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
       >>> _ = model.fit(np.zeros((8, 2)), np.zeros(8), batch_size=4, verbose=0)
     """
 
-    def __new__(cls, devices=None, communication="auto", bytes_per_pack=0,
+    def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None):
         if cls is DataParallelStrategy:
             from tfpar.distribute import multi_worker
@@ -51,11 +53,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
                 cls = multi_worker.MultiWorkerDataParallelStrategy
         return super().__new__(cls)
 
-    def __init__(self, devices=None, communication="auto", bytes_per_pack=0,
+    def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
                  cluster_resolver=None, timeout_seconds=None):
-        if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(
-                f"bytes_per_pack must be an integer >= 0. Received: {bytes_per_pack!r}")
+        bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         resolved = devices_lib.resolve_devices(devices)
         self.communication = select_communication(
             communication, [devices_lib.device_type(d) for d in resolved])
@@ -91,6 +91,16 @@ class _DataParallelExtended(mirrored_strategy.MirroredExtended):
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(dataset, len(self._devices))
         return super()._experimental_distribute_dataset(dataset, options)
+
+
+def check_bytes_per_pack(bytes_per_pack, default):
+    """Validates `bytes_per_pack`; None becomes `default`."""
+    if bytes_per_pack is None:
+        return default
+    if not isinstance(bytes_per_pack, int) or isinstance(bytes_per_pack, bool) or bytes_per_pack < 0:
+        raise ValueError(
+            f"bytes_per_pack must be an integer >= 0 (or None). Received: {bytes_per_pack!r}")
+    return bytes_per_pack
 
 
 def check_first_batch(dataset, num_replicas):

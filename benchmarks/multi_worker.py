@@ -1,0 +1,154 @@
+"""Multi-worker data parallelism: scaling from 1 to 2 workers, and tfpar against stock.
+
+Each worker is a separate process on 127.0.0.1, pinned to its own core (one
+thread per op). Configurations alternate round by round in one run:
+
+  1 worker  tfpar    DataParallelStrategy() on one worker
+  2 workers tfpar    DataParallelStrategy() across 2 TF_CONFIG workers
+  2 workers stock    tf.distribute.MultiWorkerMirroredStrategy, same custom loop
+
+Same per-worker batch everywhere, so 2 workers process twice the samples per step.
+
+    python benchmarks/multi_worker.py [--rounds 2] [--steps 8] [--out FILE]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per_worker_batch", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per launch")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "multi_worker.json"))
+    parser.add_argument("--bytes_per_pack", type=int, default=None,
+                        help="tfpar ring packing across workers (default: tfpar's)")
+    parser.add_argument("--worker", choices=["tfpar", "stock"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def worker(args):
+    """One worker process: time a custom training loop, write seconds per step."""
+    config = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    index = config.get("task", {}).get("index", 0)
+    os.sched_setaffinity(0, {index % os.cpu_count()})
+    import tfpar
+
+    tfpar.virtual_cpus(1, one_core_each=True)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    if args.worker == "stock":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        strategy = tfpar.DataParallelStrategy(devices=None if config else ["/cpu:0"],
+                                              bytes_per_pack=args.bytes_per_pack if config else None)
+    global_batch = args.per_worker_batch * strategy.num_replicas_in_sync
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((args.width,))]
+            + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.layers)]
+            + [keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.001)
+    rng = np.random.default_rng(index)
+    x = rng.normal(size=(global_batch, args.width)).astype("float32")
+    y = rng.integers(0, 10, global_batch).astype("int32")
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step():
+        return strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
+
+    for _ in range(3):
+        float(step())
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        float(step())
+    seconds = (time.perf_counter() - start) / args.steps
+    if index == 0:
+        with open(args.result, "w") as f:
+            json.dump({"step_seconds": seconds, "replicas": strategy.num_replicas_in_sync}, f)
+
+
+def run_config(args, kind, workers):
+    """Launches one configuration; returns (seconds per step, replicas)."""
+    from tfpar.cluster.launcher import Launcher
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), f"--worker={kind}",
+                   f"--result={result}", f"--per_worker_batch={args.per_worker_batch}",
+                   f"--width={args.width}", f"--layers={args.layers}", f"--steps={args.steps}",
+                   ] + ([f"--bytes_per_pack={args.bytes_per_pack}"] if args.bytes_per_pack is not None else [])
+        if workers == 1:
+            code = subprocess.run(command, timeout=600).returncode
+        else:
+            code = Launcher(command, workers, output=lambda line: None).run()
+        if code != 0:
+            raise RuntimeError(f"{kind} with {workers} worker(s) failed with exit code {code}")
+        with open(result) as f:
+            data = json.load(f)
+    return data["step_seconds"], data["replicas"]
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    configs = {"1 worker tfpar": ("tfpar", 1), "2 workers tfpar": ("tfpar", 2),
+               "2 workers stock": ("stock", 2)}
+    times = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, (kind, workers) in configs.items():
+            seconds, replicas = run_config(args, kind, workers)
+            assert replicas == workers
+            times[name].append(seconds)
+    step = {name: statistics.median(t) for name, t in times.items()}
+    throughput = {name: configs[name][1] * args.per_worker_batch / s for name, s in step.items()}
+    result = {
+        "benchmark": "multi_worker",
+        "command": "python benchmarks/multi_worker.py " + " ".join(
+            f"--{k}={v}" for k, v in vars(args).items()
+            if k not in ("out", "worker", "result") and v is not None),
+        "model": f"MLP {args.layers}x{args.width}, per-worker batch {args.per_worker_batch}",
+        "step_ms": {k: round(v * 1000, 1) for k, v in step.items()},
+        "samples_per_s": {k: round(v, 1) for k, v in throughput.items()},
+        "scaling_2_workers": round(throughput["2 workers tfpar"] / throughput["1 worker tfpar"], 3),
+        "tfpar_step_time_vs_stock": round(step["2 workers tfpar"] / step["2 workers stock"], 3),
+        "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()},
+    }
+    print(json.dumps(result, indent=2))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
