@@ -17,46 +17,25 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from _common import add_common_args, batch, mlp_and_step  # noqa: E402
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--global_batch", type=int, default=1024)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "data_parallel.json"))
+    add_common_args(parser, width=512, layers=8, steps=20, rounds=7, out_name="data_parallel.json")
     return parser.parse_args()
 
 
 def make_step(strategy, args):
     """A compiled SGD step of an MLP under `strategy`, fed one fixed global batch."""
-    import keras
-    import numpy as np
     import tensorflow as tf
 
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((args.width,))]
-            + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.layers)]
-            + [keras.layers.Dense(10)])
-        optimizer = keras.optimizers.SGD(0.001)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.global_batch, args.width)).astype("float32")
-    y = rng.integers(0, 10, args.global_batch).astype("int32")
-    dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+        _, replica_step = mlp_and_step(args, args.global_batch)
+    dataset = tf.data.Dataset.from_tensors(batch(args.global_batch, args.width)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-
-    def replica_step(x, y):
-        with tf.GradientTape() as tape:
-            per_example = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=args.global_batch)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
 
     @tf.function
     def steps(n):

@@ -24,16 +24,13 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import add_common_args, batch, mlp_and_step  # noqa: E402
+
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per_worker_batch", type=int, default=2048)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per launch")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "multi_worker.json"))
+    add_common_args(parser, width=1024, layers=4, steps=8, rounds=2, out_name="multi_worker.json")
     parser.add_argument("--bytes_per_pack", type=int, default=None,
                         help="tfpar ring packing across workers (default: tfpar's)")
     parser.add_argument("--worker", choices=["tfpar", "stock"], help=argparse.SUPPRESS)
@@ -49,8 +46,6 @@ def worker(args):
     import tfpar
 
     tfpar.virtual_cpus(1, one_core_each=True)
-    import keras
-    import numpy as np
     import tensorflow as tf
 
     if args.worker == "stock":
@@ -60,27 +55,12 @@ def worker(args):
                                               bytes_per_pack=args.bytes_per_pack if config else None)
     global_batch = args.per_worker_batch * strategy.num_replicas_in_sync
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((args.width,))]
-            + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.layers)]
-            + [keras.layers.Dense(10)])
-        optimizer = keras.optimizers.SGD(0.001)
-    rng = np.random.default_rng(index)
-    x = rng.normal(size=(global_batch, args.width)).astype("float32")
-    y = rng.integers(0, 10, global_batch).astype("int32")
+        _, replica_step = mlp_and_step(args, global_batch)
+    x, y = batch(global_batch, args.width, seed=index)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
-
-    def replica_step(x, y):
-        with tf.GradientTape() as tape:
-            per_example = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
 
     @tf.function
     def step():
