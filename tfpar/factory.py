@@ -7,8 +7,8 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
-    and `num_devices` is ignored. Call `tfpar.virtual_cpus` first when running on
-    CPUs only.
+    and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs
+    are made first (so call this before TensorFlow initializes its devices).
     """
     if name not in STRATEGIES:
         raise ValueError(
@@ -19,6 +19,10 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
     if cluster_worker_count() > 1:  # TF_CONFIG names several workers
         return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds)
+    import tensorflow as tf
+
+    if num_devices is not None and not tf.config.list_physical_devices("GPU"):
+        devices_lib.virtual_cpus(num_devices)
     devices = devices_lib.default_devices()
     if num_devices is not None:
         if num_devices < 1 or num_devices > len(devices):

@@ -100,12 +100,8 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
         data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
         log_dir=None, seed=0, verbose=1, timeout_seconds=60.0):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second."""
-    from tfpar import data, devices
-    from tfpar.cluster.tf_config import parse_tf_config
+    from tfpar import data
 
-    cluster = parse_tf_config()
-    if not _has_gpu() and (cluster is None or cluster.num_workers < 2):
-        devices.virtual_cpus(num_devices)
     strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds)
     import keras
 
@@ -132,12 +128,6 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
     return {"loss": float(loss), "accuracy": float(accuracy),
             "samples_per_second": throughput.samples_per_second(),
             "replicas": strategy.num_replicas_in_sync}
-
-
-def _has_gpu():
-    import tensorflow as tf
-
-    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def _peer_failure(error):

@@ -89,7 +89,12 @@ class Launcher:
             print(line, flush=True)
 
     def _plan(self):
-        """(config, command, decides_outcome) for every task."""
+        """(config, command, runs_user_code, fatal) for every task.
+
+        The run succeeds when every task running the user's command exits 0; it fails
+        when one of those fails, or a ps task dies (its variables are gone). A worker
+        server that dies is not fatal: a parameter-server coordinator reschedules its work.
+        """
         has_ps = "ps" in self.cluster
         plan = []
         for job, addresses in self.cluster.items():
@@ -97,7 +102,7 @@ class Launcher:
                 config = ClusterConfig(self.cluster, job, index)
                 runs_user_code = job == "chief" or not has_ps
                 plan.append((config, self.command if runs_user_code else self.server_command,
-                             runs_user_code))
+                             runs_user_code, runs_user_code or job == "ps"))
         return plan
 
     def run(self):
@@ -116,24 +121,25 @@ class Launcher:
         self._interrupted = signum
 
     def _run(self):
-        plan = self._plan()
-        deciding = []
-        for config, command, decides in plan:
+        user_tasks, fatal_tasks = [], []
+        for config, command, runs_user_code, fatal in self._plan():
             task = Task(config, command, self.env, self._output)
             self.tasks.append(task)
-            if decides:
-                deciding.append(task)
+            if runs_user_code:
+                user_tasks.append(task)
+            if fatal:
+                fatal_tasks.append(task)
         while True:
             if self._interrupted is not None:
                 self._output(f"[launcher] got signal {self._interrupted}: stopping all tasks")
                 return 128 + self._interrupted
-            for task in self.tasks:
+            for task in fatal_tasks:
                 code = task.process.poll()
-                if code not in (None, 0) and (task in deciding or task.name.startswith("ps")):
+                if code not in (None, 0):
                     self._output(f"[launcher] {task.name} exited with code {code}: "
                                  f"stopping all tasks")
                     return code
-            if all(t.process.poll() == 0 for t in deciding):
+            if all(t.process.poll() == 0 for t in user_tasks):
                 return 0
             time.sleep(0.1)
 

@@ -6,16 +6,16 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
 from tfpar import keras_seam
-from tfpar.cluster.tf_config import parse_tf_config
+from tfpar.cluster.tf_config import ClusterConfig, parse_tf_config
 from tfpar.distribute import group_keys
 from tfpar.distribute.data_parallel import (
     DataParallelStrategy, check_bytes_per_pack, check_first_batch)
 from tfpar.errors import DeviceError
-from tfpar.plan.communication import NCCL, select_communication
+from tfpar.plan.communication import NCCL, RING, select_communication
 
 _IMPLEMENTATIONS = {
     NCCL: collective_util.CommunicationImplementation.NCCL,
-    "ring": collective_util.CommunicationImplementation.RING,
+    RING: collective_util.CommunicationImplementation.RING,
 }
 
 
@@ -31,17 +31,16 @@ def cluster_worker_count(cluster_resolver=None):
     """
     if cluster_resolver is not None:
         spec = cluster_resolver.cluster_spec().as_dict()
-        jobs = {job: len(tasks) for job, tasks in spec.items()}
+        config = ClusterConfig({job: tuple(tasks) for job, tasks in spec.items()}) if spec else None
     else:
         config = parse_tf_config()
-        if config is None:
-            return 0
-        jobs = {job: len(tasks) for job, tasks in config.cluster.items()}
-    if jobs.get("ps"):
+    if config is None:
+        return 0
+    if config.num_ps:
         raise ValueError(
             "The cluster has parameter-server ('ps') tasks, which DataParallelStrategy does not "
             "use: use tfpar.ParameterServerStrategy, or remove 'ps' from TF_CONFIG.")
-    return jobs.get("chief", 0) + jobs.get("worker", 0)
+    return config.num_workers
 
 
 class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -64,7 +63,8 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         self.communication = select_communication(
             communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True)
         options = collective_util.Options(
-            bytes_per_pack=check_bytes_per_pack(bytes_per_pack, MULTI_WORKER_PACK_BYTES), timeout_seconds=timeout_seconds,
+            bytes_per_pack=check_bytes_per_pack(bytes_per_pack, MULTI_WORKER_PACK_BYTES),
+            timeout_seconds=timeout_seconds,
             implementation=_IMPLEMENTATIONS[self.communication])
         self._collective_key_base = group_keys.next_key_base()
         extended = _MultiWorkerExtended(
