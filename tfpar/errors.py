@@ -13,9 +13,17 @@ class BatchSizeError(ValueError):
     """A batch does not split into the replicas (or micro-batches) that share it."""
 
 
+class ScheduleError(ValueError):
+    """A pipeline schedule has bad arguments, misses or repeats actions, or would deadlock."""
+
+
 class InitializationError(RuntimeError):
     """Something must happen before TensorFlow initializes its devices, and it is too late."""
 
 
 class ReplicaContextError(RuntimeError):
     """A collective was called outside `strategy.run`."""
+
+
+class PlacementError(ValueError):
+    """Layers cannot be placed on the devices, or cut into stages, as asked."""
