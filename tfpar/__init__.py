@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "virtual_cpus": "tfpar.devices",
     "DataParallelStrategy": "tfpar.distribute.data_parallel",
+    "ParameterServerStrategy": "tfpar.distribute.parameter_server",
     "collectives": "tfpar.distribute.collectives",
     "data": "tfpar.data",
     "errors": "tfpar.errors",

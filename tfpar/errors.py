@@ -17,6 +17,10 @@ class ScheduleError(ValueError):
     """A pipeline schedule has bad arguments, misses or repeats actions, or would deadlock."""
 
 
+class ClusterError(RuntimeError):
+    """A task of the cluster cannot be reached, or failed in a way training cannot survive."""
+
+
 class InitializationError(RuntimeError):
     """Something must happen before TensorFlow initializes its devices, and it is too late."""
 

@@ -1,10 +1,14 @@
 """Strategy by name, for binaries and the launcher."""
 
-STRATEGIES = ("data",)
+STRATEGIES = ("data", "ps")
 
 
-def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None):
+def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
+                  ps_mode="async"):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
+
+    "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
+    "sync"); its devices are the cluster's, so `num_devices` does not apply.
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
     and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs
@@ -13,6 +17,10 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}. Use one of: {', '.join(STRATEGIES)}.")
+    if name == "ps":
+        from tfpar.distribute.parameter_server import ParameterServerStrategy
+
+        return ParameterServerStrategy(mode=ps_mode)
     from tfpar import devices as devices_lib
     from tfpar.distribute.data_parallel import DataParallelStrategy
     from tfpar.distribute.multi_worker import cluster_worker_count

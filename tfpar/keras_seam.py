@@ -48,3 +48,10 @@ def install_multi_worker_callbacks():
             if not getattr(method, "_tfpar_chief_only", False):
                 setattr(cls, name, _chief_only(method))
         _installed = True
+
+
+def install_parameter_server_training():
+    """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
+    from tfpar import keras_parameter_server
+
+    keras_parameter_server.install()

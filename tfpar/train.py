@@ -34,6 +34,8 @@ if "log_dir" not in FLAGS:
 flags.DEFINE_integer("seed", 0, "Seed for weights and shuffling (the same on every worker).")
 flags.DEFINE_float("timeout_seconds", 60.0,
                    "Across workers: a collective waiting longer than this for a peer fails.")
+flags.DEFINE_enum("ps_mode", "async", ("async", "sync"),
+                  "For --strategy=ps: asynchronous updates, or one averaged update per batch.")
 flags.DEFINE_integer("verbose", 1, "Keras progress: 0 silent, 1 bar, 2 a line an epoch.")
 
 
@@ -98,11 +100,12 @@ def callbacks_for(model_dir, log_dir):
 
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
-        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0):
+        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async"):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second."""
     from tfpar import data
 
-    strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds)
+    strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds,
+                                     ps_mode)
     import keras
 
     from tfpar.plan.batching import per_replica_batch_size
@@ -134,6 +137,11 @@ def _peer_failure(error):
     """A clear message for a worker that lost its peers, or None for other errors."""
     import tensorflow as tf
 
+    from tfpar.errors import ClusterError
+
+    if isinstance(error, ClusterError):
+        return f"tfpar: {error}"
+
     peer_errors = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                    tf.errors.AbortedError, tf.errors.InternalError, tf.errors.CancelledError)
     from tfpar.cluster.tf_config import parse_tf_config
@@ -156,7 +164,7 @@ def main(argv):
         result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
                      FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
                      FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
-                     FLAGS.timeout_seconds)
+                     FLAGS.timeout_seconds, FLAGS.ps_mode)
     except Exception as error:
         message = _peer_failure(error)
         if message is None:

@@ -170,3 +170,31 @@ def _parse_task(task, cluster):
             f"TF_CONFIG field 'task.index' is {index}, out of range for job {task_type!r} "
             f"with {size} task(s): use 0..{size - 1}.")
     return task_type, index
+
+
+def check_parameter_server_cluster(config):
+    """Checks that `config` describes a parameter-server cluster seen from its chief.
+
+    Parameter-server training needs a chief (which runs the program), at least one
+    worker and at least one ps task.
+
+    Raises:
+      TFConfigError: saying which job is missing or which task this is instead.
+    """
+    if config is None:
+        raise TFConfigError(
+            "Parameter-server training needs a cluster, but TF_CONFIG is not set. Start the "
+            "program with `tfpar launch --workers N --ps K -- python train.py`, or set "
+            "TF_CONFIG with 'chief', 'worker' and 'ps' jobs.")
+    for job, why in (("chief", "it runs your program"), ("worker", "workers run the steps"),
+                     ("ps", "ps tasks hold the variables")):
+        if not config.cluster.get(job):
+            raise TFConfigError(
+                f"Parameter-server training needs at least one '{job}' task ({why}), but the "
+                f"cluster has jobs {', '.join(sorted(config.cluster))}. Add '{job}' to "
+                f"TF_CONFIG's cluster, e.g. `tfpar launch --workers 2 --ps 1`.")
+    if config.task_type is not None and config.task_type != "chief":
+        raise TFConfigError(
+            f"This process is {config.task_name}, but parameter-server training runs the "
+            f"program on the chief only. Run `python -m tfpar.server` on workers and ps tasks "
+            f"(tfpar launch does this).")

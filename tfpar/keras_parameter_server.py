@@ -1,0 +1,424 @@
+"""Keras 3 `fit`, `evaluate` and `predict` on tfpar.ParameterServerStrategy.
+
+Keras 3 has no parameter-server path: its `fit` iterates a distributed dataset on
+the chief, which a ParameterServerStrategy refuses. Under a tfpar
+ParameterServerStrategy the model's `fit`/`evaluate`/`predict` run the loops
+below instead, with Keras' own callbacks, data adapters, metrics and steps.
+
+- Training (async): each worker reads its own copy of the dataset, repeated; the
+  chief schedules `steps_per_execution` steps per closure on whichever worker is
+  free, and waits for all of them at the end of each epoch. Batch-level callbacks
+  get empty logs (waiting for a step's result would make training synchronous);
+  epoch-level logs are exact, read from the metric variables on the ps.
+- Training (sync): the chief reads each batch, splits it over the workers, and
+  each worker's gradients are stored on the ps and averaged there before one
+  update (`SyncGradients`): one device on the combined batch.
+- evaluate / predict: the chief reads the batches and sends each to a free worker,
+  so every example is seen exactly once and predictions come back in order.
+
+Exact step counts. Keras' `Variable.assign_add` is `assign(value + delta)`, a
+read-modify-write that loses increments when workers update at once (100 steps
+left `optimizer.iterations` at 73 here). Under these strategies it becomes the
+variable's own atomic `assign_add`. A closure that dies with its worker after
+updating is run again, so after each epoch the chief also sets `iterations` to the
+number of steps it scheduled.
+
+Variables split over ps tasks (`variable_partitioner`) are `ShardedVariable`s,
+which Keras' `train_step` cannot differentiate (it asks for one handle): the
+default step here takes gradients of each shard and joins them. A model that
+overrides `train_step` keeps its own step (in async mode).
+"""
+
+import functools
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable
+
+from tfpar.distribute.parameter_server import SYNC, SyncGradients
+
+_installed = False
+_lock = threading.Lock()
+
+
+def install():
+    """Routes Keras' fit/evaluate/predict of tfpar PS models here. Idempotent."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from keras.src.backend.tensorflow import core, optimizer, trainer
+
+        for name, loop in (("fit", fit), ("evaluate", evaluate), ("predict", predict)):
+            setattr(trainer.TensorFlowTrainer, name,
+                    _dispatch(getattr(trainer.TensorFlowTrainer, name), loop))
+        core.Variable.assign_add = _atomic(core.Variable.assign_add, "assign_add")
+        core.Variable.assign_sub = _atomic(core.Variable.assign_sub, "assign_sub")
+        optimizer.TFOptimizer.add_variable_from_reference = _uncolocated_for_shards(
+            optimizer.TFOptimizer.add_variable_from_reference)
+        optimizer.TFOptimizer._distributed_tf_update_step = _sharded_updates_direct(
+            optimizer.TFOptimizer._distributed_tf_update_step)
+        _installed = True
+
+
+def _uses_parameter_servers(strategy):
+    return getattr(strategy, "_tfpar_parameter_server", False)
+
+
+def _dispatch(keras_method, loop):
+    @functools.wraps(keras_method)
+    def method(self, *args, **kwargs):
+        if _uses_parameter_servers(self.distribute_strategy):
+            return loop(self, *args, **kwargs)
+        return keras_method(self, *args, **kwargs)
+    return method
+
+
+def _atomic(keras_method, name):
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    @functools.wraps(keras_method)
+    def method(self, value):
+        if (not in_stateless_scope() and tf.distribute.has_strategy()
+                and _uses_parameter_servers(tf.distribute.get_strategy())):
+            return getattr(self._value, name)(tf.cast(value, self._value.dtype))
+        return keras_method(self, value)
+    return method
+
+
+def _uncolocated_for_shards(keras_method):
+    # Slots of a sharded variable cannot be colocated with it (it has no single
+    # device); made without colocation they are sharded the same way instead.
+    from keras.src.optimizers import base_optimizer
+
+    @functools.wraps(keras_method)
+    def method(self, reference_variable, name=None, initializer="zeros"):
+        if _is_sharded(getattr(reference_variable, "value", None)):
+            return base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer)
+        return keras_method(self, reference_variable, name=name, initializer=initializer)
+    return method
+
+
+def _sharded_updates_direct(keras_method):
+    # `extended.update` colocates the update with its variable, which a sharded
+    # variable cannot be; its assign/assign_add/assign_sub place each shard's part.
+    @functools.wraps(keras_method)
+    def method(self, distribution, grads_and_vars, learning_rate):
+        sharded = [(g, v) for g, v in grads_and_vars if _is_sharded(v)]
+        keras_method(self, distribution, [(g, v) for g, v in grads_and_vars
+                                          if not _is_sharded(v)], learning_rate)
+        for gradient, variable in sharded:
+            self.update_step(gradient, variable, learning_rate)
+    return method
+
+
+def _is_sharded(variable):
+    return isinstance(variable, sharded_variable.ShardedVariable)
+
+
+# -- steps run on the workers -------------------------------------------------
+
+def _gradients(tape, loss, variables):
+    """Gradients of `loss` for Keras variables, sharded ones included."""
+    targets, sizes = [], []
+    for variable in variables:
+        value = variable.value
+        shards = value.variables if _is_sharded(value) else [value]
+        targets.extend(shards)
+        sizes.append(len(shards))
+    flat = tape.gradient(loss, targets)
+    gradients, i = [], 0
+    for size in sizes:
+        parts = flat[i:i + size]
+        i += size
+        if size == 1:
+            gradients.append(parts[0])
+        else:
+            gradients.append(tf.concat([tf.convert_to_tensor(p) for p in parts], axis=0))
+    return gradients
+
+
+def _forward_backward(model, data):
+    """Keras' TensorFlow train step up to the gradients; updates the metrics."""
+    from keras.src import tree
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                   training=True)
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        if model.optimizer is not None:
+            loss = model.optimizer.scale_loss(loss)
+    gradients = _gradients(tape, loss, model.trainable_weights)
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return gradients
+
+
+def _train_step(model, data):
+    gradients = _forward_backward(model, data)
+    model.optimizer.apply(gradients, model.trainable_weights)
+
+
+def _overrides_train_step(model):
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return type(model).train_step is not TensorFlowTrainer.train_step
+
+
+def _batch_size(data):
+    from keras.src import tree
+
+    return tf.shape(tree.flatten(data)[0])[0]
+
+
+# -- data ---------------------------------------------------------------------
+
+class _Input:
+    """A dataset for the loops, from anything Keras' fit takes, or a dataset function."""
+
+    def __init__(self, x, y=None, sample_weight=None, batch_size=None, steps=None,
+                 shuffle=False, class_weight=None):
+        from keras.src.trainers.data_adapters import get_data_adapter
+
+        if callable(x) and not isinstance(x, tf.data.Dataset):
+            self.dataset_fn = x
+            self.dataset = x(tf.distribute.InputContext())
+            if not isinstance(self.dataset, tf.data.Dataset):
+                raise TypeError(f"A dataset function must return a tf.data.Dataset. "
+                                f"Received: {type(self.dataset).__name__}")
+            cardinality = int(self.dataset.cardinality())
+            self.num_batches = cardinality if cardinality >= 0 else None
+        else:
+            self.dataset_fn = None
+            adapter = get_data_adapter(x=x, y=y, sample_weight=sample_weight,
+                                       batch_size=batch_size, steps_per_epoch=steps,
+                                       shuffle=shuffle, class_weight=class_weight)
+            self.dataset = adapter.get_tf_dataset()
+            self.num_batches = adapter.num_batches
+
+    def steps(self, steps, argument):
+        """The number of steps to run: `steps`, else the dataset's size when known."""
+        if steps is not None:
+            if not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"{argument} must be an integer >= 1. Received: {steps!r}")
+            return steps
+        if self.num_batches is None:
+            raise ValueError(
+                f"{argument} is required with tfpar.ParameterServerStrategy when the dataset "
+                f"is infinite or of unknown size (workers read their own copies, so the "
+                f"chief cannot see it end). Pass {argument}=N.")
+        return self.num_batches
+
+    def per_worker(self):
+        """What each worker builds its own repeated copy from."""
+        if self.dataset_fn is not None:
+            fn = self.dataset_fn
+            return lambda: fn(tf.distribute.InputContext()).repeat()
+        return self.dataset.repeat()
+
+
+def _build(model, dataset):
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=dataset.element_spec)
+
+
+def _numbers(logs):
+    return {k: float(np.asarray(v)) if np.asarray(v).size == 1 else np.asarray(v)
+            for k, v in logs.items()}
+
+
+def _callback_list(model, callbacks, verbose, **params):
+    from keras.src import callbacks as callbacks_module
+
+    if isinstance(callbacks, callbacks_module.CallbackList):
+        return callbacks
+    return callbacks_module.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+                                         verbose=verbose, model=model, **params)
+
+
+def _cached(model, key, make):
+    cache = model.__dict__.setdefault("_tfpar_ps_steps", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+# -- the loops ----------------------------------------------------------------
+
+def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+        validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+        sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+        validation_batch_size=None, validation_freq=1):
+    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
+
+    model._assert_compile_called("fit")
+    if validation_split and validation_data is None:
+        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+            (x, y, sample_weight), validation_split=validation_split)
+    data = _Input(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight)
+    steps = data.steps(steps_per_epoch, "steps_per_epoch")
+    _build(model, data.dataset)
+    strategy = model.distribute_strategy
+    epoch_runner = (_SyncEpochs if strategy.mode == SYNC else _AsyncEpochs)(model, data)
+    callbacks = _callback_list(model, callbacks, verbose, epochs=epochs, steps=steps)
+
+    model.stop_training = False
+    callbacks.on_train_begin()
+    initial_epoch = model._initial_epoch or initial_epoch
+    logs = {}
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        callbacks.on_epoch_begin(epoch)
+        epoch_runner.run(steps, callbacks)
+        epoch_logs = _numbers(model.get_metrics_result())
+        if validation_data is not None and model._should_eval(epoch, validation_freq):
+            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+                validation_data)
+            val_logs = evaluate(model, val_x, val_y, sample_weight=val_sample_weight,
+                                batch_size=validation_batch_size or batch_size,
+                                steps=validation_steps, callbacks=callbacks, return_dict=True)
+            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        callbacks.on_epoch_end(epoch, epoch_logs)
+        logs = epoch_logs
+        if model.stop_training:
+            break
+    callbacks.on_train_end(logs=logs)
+    return model.history
+
+
+class _AsyncEpochs:
+    """Each worker reads its own data and applies its own updates."""
+
+    def __init__(self, model, data):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.iterator = self.strategy.per_worker_iterator(data.per_worker())
+        if _overrides_train_step(model):
+            self.step = model.train_step
+        else:
+            self.step = _cached(model, "train", lambda: functools.partial(_train_step, model))
+
+    def run(self, steps, callbacks):
+        iterations = self.model.optimizer.iterations
+        expected = int(iterations.numpy())
+        per_call = max(1, int(self.model.steps_per_execution))
+        for begin in range(0, steps, per_call):
+            count = min(per_call, steps - begin)
+            callbacks.on_train_batch_begin(begin)
+            self.strategy.schedule_steps(self.step, self.iterator, count)
+            expected += count
+            callbacks.on_train_batch_end(begin + count - 1, {})
+            if self.model.stop_training:
+                break
+        self.strategy.join()
+        if int(iterations.numpy()) != expected:
+            iterations.assign(expected)
+
+
+class _SyncEpochs:
+    """The chief splits each batch over the workers; one averaged update per batch."""
+
+    def __init__(self, model, data):
+        self.model = model
+        self.strategy = model.distribute_strategy
+        self.parts = self.strategy.num_workers
+        self.iterator = iter(data.dataset.repeat())
+        self.gradients = _cached(model, ("sync", self.parts), lambda: SyncGradients(
+            self.strategy, model.trainable_weights, self.parts))
+        self._steps = {}
+
+    def _part_step(self, part):
+        def step(data):
+            self.gradients.store(part, _forward_backward(self.model, data), _batch_size(data))
+        return self._steps.setdefault(("part", part), step)
+
+    def _apply_step(self, num_parts):
+        def step(total):
+            self.model.optimizer.apply(self.gradients.mean(num_parts, total),
+                                       self.model.trainable_weights)
+        return self._steps.setdefault(("apply", num_parts), step)
+
+    def run(self, steps, callbacks):
+        from keras.src import tree
+
+        for step in range(steps):
+            callbacks.on_train_batch_begin(step)
+            batch = next(self.iterator)
+            total = int(tree.flatten(batch)[0].shape[0])
+            sizes = [s for s in _split_sizes(total, self.parts) if s]
+            for part, piece in enumerate(_split(batch, sizes)):
+                self.strategy.schedule_on(self._part_step(part), piece)
+            self.strategy.join()
+            self.strategy.schedule_on(self._apply_step(len(sizes)), tf.constant(total))
+            self.strategy.join()
+            callbacks.on_train_batch_end(step, {})
+            if self.model.stop_training:
+                break
+
+
+def _split(batch, sizes):
+    """`batch` cut along its first axis into pieces of `sizes` examples."""
+    from keras.src import tree
+
+    leaves = [tf.split(t, sizes) for t in tree.flatten(batch)]
+    return [tree.pack_sequence_as(batch, [leaf[k] for leaf in leaves]) for k in range(len(sizes))]
+
+
+def _concat(outputs):
+    """Per-batch output structures joined along the first axis."""
+    from keras.src import tree
+
+    leaves = [tree.flatten(o) for o in outputs]
+    return tree.pack_sequence_as(
+        outputs[0], [np.concatenate([np.asarray(o[i]) for o in leaves]) for i in range(len(leaves[0]))])
+
+
+def _split_sizes(total, parts):
+    """Sizes of `parts` nearly equal pieces of `total` examples, larger ones first."""
+    return [total // parts + (1 if k < total % parts else 0) for k in range(parts)]
+
+
+def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+             steps=None, callbacks=None, return_dict=False, **kwargs):
+    model._assert_compile_called("evaluate")
+    data = _Input(x, y, sample_weight, batch_size, steps)
+    steps = data.steps(steps, "steps")
+    _build(model, data.dataset)
+    strategy = model.distribute_strategy
+    step = _cached(model, "test", lambda: model.test_step)
+    callbacks = _callback_list(model, callbacks, verbose, epochs=1, steps=steps)
+    model.reset_metrics()
+    callbacks.on_test_begin()
+    for index, batch in zip(range(steps), data.dataset):
+        callbacks.on_test_batch_begin(index)
+        strategy.schedule_on(step, batch)
+        callbacks.on_test_batch_end(index, {})
+    strategy.join()
+    logs = _numbers(model.get_metrics_result())
+    callbacks.on_test_end(logs)
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+    data = _Input(x, batch_size=batch_size, steps=steps)
+    steps = data.steps(steps, "steps")
+    strategy = model.distribute_strategy
+    step = _cached(model, "predict", lambda: model.predict_step)
+    callbacks = _callback_list(model, callbacks, verbose, epochs=1, steps=steps)
+    callbacks.on_predict_begin()
+    results = []
+    for index, batch in zip(range(steps), data.dataset):
+        callbacks.on_predict_batch_begin(index)
+        results.append(strategy.schedule_on(step, batch))
+        callbacks.on_predict_batch_end(index, {})
+    strategy.join()
+    outputs = [r.fetch() for r in results]
+    callbacks.on_predict_end()
+    return _concat(outputs)

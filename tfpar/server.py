@@ -1,0 +1,56 @@
+"""Serve the worker or ps task that TF_CONFIG names, until killed.
+
+Parameter-server training runs the user's program on the chief only; every worker
+and ps task just runs a TensorFlow server. `tfpar launch --workers N --ps K` starts
+this module for those tasks:
+
+    TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' python -m tfpar.server
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+from tfpar.cluster.tf_config import parse_tf_config
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("threads", 0, "inter-op threads of the server (0: TensorFlow's default).")
+
+SERVED_JOBS = ("worker", "ps")
+
+
+def serve(config, threads=0):
+    """Starts the server of `config`'s task and blocks until the process is killed."""
+    if config.task_type not in SERVED_JOBS:
+        raise ValueError(
+            f"tfpar.server serves 'worker' and 'ps' tasks; TF_CONFIG names task type "
+            f"{config.task_type!r}. Run your training program on the chief instead.")
+    import tensorflow as tf
+
+    if threads:
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec({job: list(a) for job, a in config.cluster.items()}),
+        job_name=config.task_type, task_index=config.task_index,
+        protocol=config.rpc_layer or "grpc", start=True)
+    print(f"tfpar.server: {config.task_name} serving at {server.target}", flush=True)
+    server.join()
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    config = parse_tf_config(os.environ.get("TF_CONFIG"))
+    if config.task_type is None:
+        sys.exit("tfpar.server: TF_CONFIG has no 'task'; say which task this process serves, "
+                 "e.g. \"task\": {\"type\": \"worker\", \"index\": 0}.")
+    serve(config, FLAGS.threads)
+
+
+def entry():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    entry()
