@@ -1,12 +1,9 @@
 """Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1."""
 
-import contextlib
 import json
 import os
 import re
-import signal
 import sys
-import threading
 import time
 
 import keras
@@ -15,53 +12,12 @@ import pytest
 import tensorflow as tf
 
 import multi_worker_common as common
-from tfpar.cluster.launcher import Task, make_cluster
-from tfpar.cluster.tf_config import ClusterConfig
+from cluster_helper import Cluster
 
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(__file__)
 FIT_WORKER = os.path.join(HERE, "workers", "fit.py")
-
-
-class Cluster:
-    """Worker processes started by a test: output collected, always killed at the end."""
-
-    def __init__(self, workers):
-        self.cluster = make_cluster(workers)
-        self.lines = []
-        self.tasks = []
-        self._lock = threading.Lock()
-
-    def _collect(self, line):
-        with self._lock:
-            self.lines.append(line)
-
-    def start(self, args, index=None):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        indices = range(len(self.cluster["worker"])) if index is None else [index]
-        for i in indices:
-            config = ClusterConfig(self.cluster, "worker", i)
-            self.tasks.append(Task(config, [sys.executable, *args], env, self._collect))
-
-    def wait(self, timeout):
-        deadline = time.monotonic() + timeout
-        codes = []
-        for task in self.tasks:
-            codes.append(task.process.wait(max(0.1, deadline - time.monotonic())))
-        for task in self.tasks:
-            task.join_output()
-        return codes
-
-    def output(self, task_name=None):
-        with self._lock:
-            return "\n".join(l for l in self.lines if task_name is None or l.startswith(f"[{task_name}]"))
-
-    def kill_all(self):
-        for task in self.tasks:
-            task.signal(signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                task.process.wait(10)
 
 
 @pytest.fixture
@@ -91,7 +47,7 @@ def _single_process_weights(epochs, examples):
 def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples):
     workers = cluster(2)
     workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}"])
-    assert workers.wait(timeout=240) == [0, 0], workers.output()[-4000:]
+    assert workers.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], workers.output()[-4000:]
     results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
     for result in results:
         assert result["strategy"] == "DataParallelStrategy(workers=2, replicas=2, communication='ring')"
@@ -118,12 +74,12 @@ def test_dead_worker_stops_the_other_then_relaunch_resumes(cluster, tmp_path):
     deadline = time.monotonic() + 180
     while "Epoch 2/4" not in workers.output("worker:1"):
         assert time.monotonic() < deadline, workers.output()[-4000:]
-        assert workers.tasks[1].process.poll() is None, workers.output()[-4000:]
+        assert workers.process("worker:1").poll() is None, workers.output()[-4000:]
         time.sleep(0.05)
     time.sleep(0.3)
     killed_at = time.monotonic()
-    workers.tasks[1].signal(signal.SIGKILL)
-    code = workers.tasks[0].process.wait(timeout=90)
+    workers.kill("worker:1")
+    code = workers.process("worker:0").wait(timeout=90)
     survivor = workers.output("worker:0")
     assert code != 0
     assert time.monotonic() - killed_at < 60
@@ -134,7 +90,7 @@ def test_dead_worker_stops_the_other_then_relaunch_resumes(cluster, tmp_path):
     resumed = cluster(2)
     resumed.cluster = workers.cluster  # same addresses, as a restarted job would have
     resumed.start(_train_args(model_dir, 4))
-    assert resumed.wait(timeout=240) == [0, 0], resumed.output()[-4000:]
+    assert resumed.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], resumed.output()[-4000:]
     for name in ("worker:0", "worker:1"):
         out = resumed.output(name)
         epochs = re.findall(r"Epoch (\d)/4", out)

@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "virtual_cpus": "tfpar.devices",
     "DataParallelStrategy": "tfpar.distribute.data_parallel",
+    "ModelParallelStrategy": "tfpar.distribute.model_parallel",
+    "layers": "tfpar.layers",
     "ParameterServerStrategy": "tfpar.distribute.parameter_server",
     "collectives": "tfpar.distribute.collectives",
     "data": "tfpar.data",

@@ -57,6 +57,7 @@ def install():
         core.Variable.assign_sub = _atomic(core.Variable.assign_sub, "assign_sub")
         optimizer.TFOptimizer.add_variable_from_reference = _uncolocated_for_shards(
             optimizer.TFOptimizer.add_variable_from_reference)
+        core.Variable.__array__ = _sharded_as_array(core.Variable.__array__)
         optimizer.TFOptimizer._distributed_tf_update_step = _sharded_updates_direct(
             optimizer.TFOptimizer._distributed_tf_update_step)
         _installed = True
@@ -111,6 +112,16 @@ def _sharded_updates_direct(keras_method):
                                           if not _is_sharded(v)], learning_rate)
         for gradient, variable in sharded:
             self.update_step(gradient, variable, learning_rate)
+    return method
+
+
+def _sharded_as_array(keras_method):
+    # Saving weights reads variables through __array__, which ShardedVariable lacks.
+    @functools.wraps(keras_method)
+    def method(self, dtype=None, **kwargs):
+        if _is_sharded(getattr(self, "_value", None)):
+            return np.asarray(self._value.numpy(), dtype=dtype)
+        return keras_method(self, dtype, **kwargs)
     return method
 
 

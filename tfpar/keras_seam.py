@@ -55,3 +55,30 @@ def install_parameter_server_training():
     from tfpar import keras_parameter_server
 
     keras_parameter_server.install()
+
+
+# --- Model parallelism -------------------------------------------------------------
+# A strategy that places layers (ModelParallelStrategy) must see a model before it
+# first runs, and Keras offers no hook for that: tfpar wraps `keras.Model.__call__`
+# once. The wrapper only asks the model's strategy, if it defines
+# `_tfpar_before_model_call(model, args, kwargs)`; other models pay one getattr.
+
+def install_model_call_hook():
+    """Lets a strategy act before each call of a model created under its scope. Idempotent."""
+    with _lock:
+        import keras
+
+        if getattr(keras.Model.__call__, "_tfpar_model_call_hook", False):
+            return
+        model_call = keras.Model.__call__
+
+        @functools.wraps(model_call)
+        def __call__(self, *args, **kwargs):
+            hook = getattr(getattr(self, "_distribute_strategy", None),
+                           "_tfpar_before_model_call", None)
+            if hook is not None:
+                hook(self, args, kwargs)
+            return model_call(self, *args, **kwargs)
+
+        __call__._tfpar_model_call_hook = True
+        keras.Model.__call__ = __call__

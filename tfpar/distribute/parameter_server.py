@@ -15,6 +15,8 @@ Modes:
     the combined batch, as in the classic parameter-server design.
 """
 
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 from tensorflow.python.distribute.coordinator import cluster_coordinator
@@ -195,7 +197,9 @@ class SyncGradients:
         """The mean gradient over parts 0..num_parts-1, which hold `total` examples."""
         means = []
         for i in range(len(self.variables)):
-            with tf.device(getattr(self.slots[0][i], "device", None)):
+            # A sharded slot has no single device: its sum stays on the worker.
+            device = getattr(self.slots[0][i], "device", None)
+            with tf.device(device) if device else contextlib.nullcontext():
                 summed = tf.add_n([tf.convert_to_tensor(self.slots[k][i])
                                    for k in range(num_parts)])
                 means.append(summed / tf.cast(total, summed.dtype))

@@ -1,0 +1,76 @@
+"""Clusters of real processes on 127.0.0.1 for the multi-process tests.
+
+Every process a test starts is killed at the end (whole process groups, and only
+those), and every wait has a timeout.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from tfpar.cluster.launcher import Task, make_cluster
+from tfpar.cluster.tf_config import ClusterConfig
+
+SERVER = (sys.executable, "-m", "tfpar.server")
+
+
+class Cluster:
+    """Tasks started by a test, with their output collected."""
+
+    def __init__(self, workers, ps=0):
+        self.cluster = make_cluster(workers, ps)
+        self.lines = []
+        self.tasks = {}
+        self._lock = threading.Lock()
+
+    def _collect(self, line):
+        with self._lock:
+            self.lines.append(line)
+
+    def start(self, args, job="worker", index=None):
+        """Runs `python *args` as task(s) of `job` (all of them when `index` is None)."""
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        indices = range(len(self.cluster[job])) if index is None else [index]
+        for i in indices:
+            config = ClusterConfig(self.cluster, job, i)
+            self.tasks[config.task_name] = Task(config, [sys.executable, *args], env, self._collect)
+
+    def start_servers(self):
+        """`python -m tfpar.server` for every worker and ps task."""
+        for job in ("worker", "ps"):
+            for i in range(len(self.cluster.get(job, ()))):
+                self.start(SERVER[1:], job, i)
+
+    def process(self, name):
+        return self.tasks[name].process
+
+    def wait(self, names, timeout):
+        deadline = time.monotonic() + timeout
+        codes = [self.process(n).wait(max(0.1, deadline - time.monotonic())) for n in names]
+        for name in names:
+            self.tasks[name].join_output()
+        return codes
+
+    def wait_for(self, text, name, timeout):
+        """Waits until `text` appears in `name`'s output; fails if the task ends first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output(name):
+            if time.monotonic() > deadline or self.process(name).poll() is not None:
+                raise AssertionError(f"{text!r} not seen from {name}:\n{self.output()[-4000:]}")
+            time.sleep(0.05)
+
+    def output(self, name=None):
+        with self._lock:
+            return "\n".join(l for l in self.lines if name is None or l.startswith(f"[{name}]"))
+
+    def kill(self, name):
+        self.tasks[name].signal(signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.process(name).wait(10)
+
+    def kill_all(self):
+        for name in list(self.tasks):
+            self.kill(name)

@@ -1,0 +1,219 @@
+"""The chief of the parameter-server tests: runs one scenario, writes <out>/result.json.
+
+    python ps_chief.py --scenario=async|sync|faults --out=DIR
+
+Scenarios (each needs its own cluster: a process joins one cluster, once):
+  async   2 workers, 1 ps: fit on spirals against one device, exact step counts
+          (Keras' own train_step in a custom loop, fit, steps_per_execution, a
+          dataset function), variable placement, evaluate/predict exactness, and
+          the infinite-dataset error.
+  sync    2 workers, 2 ps, mode="sync", a partitioned Embedding: weights against
+          one device on the combined batch, shard placement, weights round trip,
+          loading on one device.
+  faults  2 workers, 1 ps: a long fit during which the test kills and restarts a
+          worker (prints "FIT STARTED"); then a fit during which the test kills
+          the ps (prints "PS FIT STARTED").
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("scenario", "async", ["async", "sync", "faults"], "What to run.")
+flags.DEFINE_string("out", None, "Directory for result.json.")
+
+
+def _devices(model):
+    return sorted({v.value.device for v in model.variables if hasattr(v.value, "device")}
+                  | {s.device for v in model.variables for s in getattr(v.value, "variables", [])})
+
+
+def _spirals_model(strategy, seed=0):
+    import keras
+
+    from tfpar.train import build_model
+    from tfpar import data
+
+    source = data.load("spirals", "train", seed=seed)
+    with strategy.scope():
+        model = build_model(source, seed)
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    return model
+
+
+def _spirals(split, batch_size=64):
+    from tfpar import data
+
+    source = data.load("spirals", split, seed=0)
+    return source.dataset.batch(batch_size), source
+
+
+def run_async(strategy, result):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    # Keras' own train_step, scheduled 100 times: the atomic assign_add alone must
+    # count every step (the chief corrects nothing in this loop).
+    model = _spirals_model(strategy)
+    train, source = _spirals("train")
+    with strategy.scope():
+        model._symbolic_build(data_batch=train.element_spec)
+    iterator = strategy.per_worker_iterator(train.repeat())
+    for _ in range(100):
+        strategy.schedule_steps(model.train_step, iterator, 1)
+    strategy.join()
+    result["custom_loop_iterations"] = int(model.optimizer.iterations.numpy())
+    result["variable_devices"] = _devices(model) + sorted(
+        {v.value.device for v in model.optimizer.variables})
+
+    # fit against one device, same model, data and epochs.
+    epochs = 4
+    model = _spirals_model(strategy)
+    test, _ = _spirals("test")
+    start = time.perf_counter()
+    history = model.fit(train.shuffle(1000, seed=0), epochs=epochs, verbose=2,
+                        validation_data=test)
+    result["fit_seconds"] = time.perf_counter() - start
+    result["history"] = history.history
+    result["steps_per_epoch"] = int(train.cardinality())
+    result["fit_iterations"] = int(model.optimizer.iterations.numpy())
+    result["accuracy"] = model.evaluate(test, verbose=0, return_dict=True)["accuracy"]
+    local = _spirals_model(tf.distribute.get_strategy())
+    local.fit(train.shuffle(1000, seed=0), epochs=epochs, verbose=0)
+    result["single_device_accuracy"] = local.evaluate(test, verbose=0, return_dict=True)["accuracy"]
+
+    # evaluate and predict see each example once: equal to the same weights locally.
+    local.set_weights(model.get_weights())
+    result["evaluate"] = model.evaluate(test, verbose=0, return_dict=True)
+    result["local_evaluate"] = local.evaluate(test, verbose=0, return_dict=True)
+    features = np.stack([f for f, _ in test.unbatch().as_numpy_iterator()])
+    remote = model.predict(features, batch_size=50, verbose=0)
+    result["predict_max_difference"] = float(np.abs(remote - local.predict(features, verbose=0)).max())
+    result["predict_shape"] = list(remote.shape)
+    result["test_examples"] = len(features)
+
+    # steps_per_execution with a remainder, and a dataset function.
+    with strategy.scope():
+        small = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+        small.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=3)
+
+    def dataset_fn(context):
+        return _spirals("train", 32)[0].repeat()
+
+    small.fit(dataset_fn, steps_per_epoch=10, epochs=2, verbose=0)
+    result["steps_per_execution_iterations"] = int(small.optimizer.iterations.numpy())
+    try:
+        small.fit(train.repeat(), epochs=1, verbose=0)
+    except ValueError as error:
+        result["infinite_error"] = str(error)
+
+
+def run_sync(strategy, result):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def make(scope_strategy):
+        keras.utils.set_random_seed(0)
+        with scope_strategy.scope():
+            model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                      keras.layers.Embedding(64, 8), keras.layers.Flatten(),
+                                      keras.layers.Dense(3)])
+            model.compile(keras.optimizers.SGD(0.5),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, (72, 3)).astype("int32")  # 72 = 4 batches of 16 and one of 8
+    y = (x[:, 0] % 3).astype("int32")
+    model = make(strategy)
+    local = make(tf.distribute.get_strategy())
+    initial = model.get_weights()
+    local.set_weights(initial)
+    embedding = model.layers[0].embeddings.value
+    result["embedding_shards"] = [[int(s.shape[0]), s.device] for s in embedding.variables]
+    result["variable_devices"] = _devices(model)
+
+    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    local.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    result["iterations"] = int(model.optimizer.iterations.numpy())
+    result["max_weight_difference"] = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), local.get_weights()))
+    result["moved"] = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), initial))
+
+    # Round trip through a weights file, and loading on one device.
+    path = os.path.join(FLAGS.out, "sync.weights.h5")
+    trained = model.get_weights()
+    model.save_weights(path)
+    model.set_weights([np.zeros_like(w) for w in trained])
+    model.load_weights(path)
+    result["round_trip_difference"] = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), trained))
+    single = make(tf.distribute.get_strategy())
+    single.load_weights(path)
+    result["single_device_difference"] = float(
+        np.abs(single.predict(x, verbose=0) - model.predict(x, verbose=0)).max())
+
+
+def run_faults(strategy, result):
+    from tfpar.errors import ClusterError
+
+    model = _spirals_model(strategy)
+    train, _ = _spirals("train", 32)
+
+    print("FIT STARTED", flush=True)
+    model.fit(train.repeat(), steps_per_epoch=150, epochs=4, verbose=2)
+    result["iterations_after_worker_failure"] = int(model.optimizer.iterations.numpy())
+    result["steps_asked"] = 600
+    _write(result)
+    print("PS FIT STARTED", flush=True)
+    start = time.monotonic()
+    try:
+        model.fit(train.repeat(), steps_per_epoch=100000, epochs=1, verbose=0)
+    except ClusterError as error:
+        result["ps_error"] = str(error)
+        result["ps_error_seconds"] = time.monotonic() - start
+    print("PS FIT ENDED", flush=True)
+
+
+def _write(result):
+    with open(os.path.join(FLAGS.out, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main(argv):
+    import keras
+
+    import tfpar
+
+    keras.config.disable_traceback_filtering()
+    sys.stdout.reconfigure(line_buffering=True)
+    result = {}
+    if FLAGS.scenario == "sync":
+        import tensorflow as tf
+
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=256, max_shards=2)
+        strategy = tfpar.ParameterServerStrategy(variable_partitioner=partitioner, mode="sync")
+        run_sync(strategy, result)
+    else:
+        strategy = tfpar.ParameterServerStrategy()
+        (run_async if FLAGS.scenario == "async" else run_faults)(strategy, result)
+    result["strategy"] = repr(strategy)
+    _write(result)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

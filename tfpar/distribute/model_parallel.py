@@ -1,0 +1,555 @@
+"""Model parallelism by layer placement: each layer lives and runs on one device.
+
+How it works:
+
+- *Forward and backward on the layer's device.* Each placed layer's `call` is
+  wrapped with `placed_call` (tfpar/distribute/placement.py): the forward runs
+  under `tf.device`, inside a `tf.custom_gradient` whose gradient is built under
+  the same `tf.device`. So placement holds for `model.fit` and for a user's own
+  `GradientTape` loop, in a `tf.function` or eagerly.
+- *When placement is applied.* The strategy places a model created under its
+  scope just before the model first runs: Keras' own symbolic build in
+  `fit`/`evaluate`/`predict`, or the first call in a custom loop. tfpar's Keras
+  seam gives the strategy that moment (`keras_seam.install_model_call_hook`). A
+  plan balanced by memory needs the whole built model (every layer's shape), and
+  Sequential/functional models create their variables at construction, before
+  any plan exists, so the plan cannot be applied earlier in general. An unbuilt
+  model is built symbolically first. `strategy.placement_report(model)` places
+  a model at once.
+- *Variables.* Until a model is placed its variables are created on the first
+  device. Placing moves each layer's variables to its device (a new `tf.Variable`
+  on the device inside the same `keras.Variable`, see `placement.move_variable`),
+  and moves optimizer state already built for them (e.g. by `fit` on a model
+  built lazily, or by `load_model`). Later optimizer state is created next to its
+  variable, and optimizer updates run on the variable's device.
+- *Saving.* Nothing of the placement is saved: `model.save`, `save_weights` and
+  `tf.train.Checkpoint` write plain Keras models and variables, which load
+  anywhere, with or without this strategy.
+
+What is placed: the model's layers in model order, where nested models
+(Sequential, functional or subclassed) are replaced by their own layers,
+recursively. Any other layer is placed whole, with its sub-layers (a custom
+block stays on one device). `InputLayer`s are skipped. `tfpar.layers.OnDevice`
+layers keep the device they name and are left out of the plan. Work that a
+subclassed model does in its own `call` between layers, weights it creates itself,
+the loss and metrics run on the first device. The order of a subclassed model's
+layers is the order its attributes were set, which should follow the call order
+for "balanced" to cut the model into contiguous groups.
+
+Combinations with data parallelism:
+
+- `ModelParallelStrategy` is a single-replica strategy: the global batch runs
+  through the split model; it cannot be nested in `DataParallelStrategy` (TF
+  allows one strategy scope at a time).
+- `tfpar.layers.OnDevice` works in any model, including under
+  `DataParallelStrategy`, where every replica then runs that layer on the one
+  named device (its mirrored variables are read there). Numerically this is still
+  data-parallel training; use it to keep a layer off the replicas' devices.
+- Replicas of a split model (data parallelism over groups of devices) come with
+  the pipeline strategy, whose stages run through the same `placed_call`.
+"""
+
+import dataclasses
+import functools
+import math
+import statistics
+import threading
+import time
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, one_device_strategy
+from tensorflow.python.framework import ops
+from tensorflow.python.util import nest
+
+from tfpar import devices as devices_lib
+from tfpar import keras_seam
+from tfpar.distribute import placement as placement_lib
+from tfpar.errors import PlacementError
+from tfpar.plan import placement as plan
+
+_DEFAULT_SLOTS = 2  # Adam's, when nothing says which optimizer will train the model.
+
+
+class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
+    """Splits a Keras model by layers over devices: each layer lives and runs on one.
+
+    Under its scope each layer of a Keras model (Sequential, functional, or
+    subclassed with sub-layers) gets a device; its variables are created there and
+    its forward and backward run there. Activations flow from device to device.
+    The strategy runs one replica; the loss, metrics and input pipeline live on
+    the first device.
+
+    Args:
+      devices: device names. None: all GPUs, or all logical CPUs without GPUs.
+      placement: "balanced" (contiguous groups of layers, about equal cost per
+        device), a dict `{layer name: device}` naming every layer, or a callable
+        `layer -> device`.
+      balance_by: for "balanced", the cost to even out: "bytes" (weights,
+        optimizer state and output activations at `batch_size`), "params", or
+        "time" (each layer's forward and backward measured on one device).
+      batch_size: batch size assumed for activation bytes and timing.
+      optimizer: optimizer name (e.g. "adam", "sgd") or number of state copies
+        per weight, for the estimate when the model is not compiled. The
+        compiled optimizer, when there is one, takes precedence. Default: Adam.
+      memory_limit: bytes available per device, or None. A plan that puts more
+        estimated bytes on a device raises `PlacementError`.
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> strategy = tfpar.ModelParallelStrategy(["/cpu:0", "/cpu:1"])
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+      ...                               keras.layers.Dense(3)])
+      ...     model.compile("adam", "mse")
+      >>> _ = model.fit(np.zeros((8, 4)), np.zeros((8, 3)), verbose=0)
+      >>> print(strategy.placement_report())  # doctest: +SKIP
+    """
+
+    def __init__(self, devices=None, placement="balanced", balance_by="bytes", batch_size=32,
+                 optimizer=None, memory_limit=None):
+        resolved = devices_lib.resolve_devices(devices)
+        given = [devices] if isinstance(devices, str) else (
+            list(devices) if devices is not None else devices_lib.default_devices())
+        self._display = dict(zip(resolved, given))
+        self._placement = _check_placement_arg(placement)
+        if balance_by not in plan.COSTS:
+            raise PlacementError(
+                f"balance_by must be one of {', '.join(map(repr, plan.COSTS))}. "
+                f"Received: balance_by={balance_by!r}")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise PlacementError(f"batch_size must be an integer >= 1. Received: {batch_size!r}")
+        if memory_limit is not None and not (
+                isinstance(memory_limit, (int, float)) and memory_limit > 0):
+            raise PlacementError(
+                f"memory_limit must be a number of bytes > 0, or None. Received: {memory_limit!r}")
+        self._balance_by = balance_by
+        self._batch_size = batch_size
+        self._slots_hint = _check_optimizer_hint(optimizer)
+        self._memory_limit = memory_limit
+        self._lock = threading.RLock()
+        self._reports = {}  # id(model) -> PlacementReport, in placement order
+        extended = _ModelParallelExtended(self, resolved)
+        super(tf.distribute.OneDeviceStrategy, self).__init__(extended)
+        keras_seam.install_model_call_hook()
+
+    def __repr__(self):
+        placement = self._placement if isinstance(self._placement, str) else type(
+            self._placement).__name__
+        return (f"ModelParallelStrategy(devices={list(self._display.values())}, "
+                f"placement={placement!r})")
+
+    @property
+    def devices(self):
+        """The devices layers are placed on, canonical names."""
+        return tuple(self._display)
+
+    def placement_report(self, model=None):
+        """Returns where each layer lives and what each device holds (`PlacementReport`).
+
+        `str(report)` is a plain-text table. `model`: a model created under this
+        strategy's scope; it is placed now if it was not yet (it must be built).
+        Default: the model placed last.
+        """
+        if model is not None:
+            self._place(model)
+            return self._reports[id(model)]
+        if not self._reports:
+            raise PlacementError(
+                "No model has been placed by this strategy yet. Models are placed when "
+                "they first run (fit, evaluate, predict or a call); pass the model to "
+                "placement_report(model) to place it now.")
+        return list(self._reports.values())[-1]
+
+    # Called by the Keras seam before every call of a model created under this scope.
+    def _tfpar_before_model_call(self, model, args, kwargs):
+        if getattr(model, "_tfpar_placed_by", None) is not None:
+            return
+        from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+        if any_symbolic_tensors(args, kwargs):
+            return  # Building a functional model out of this one: nothing runs.
+        if not _is_built(model):
+            if in_stateless_scope():
+                return  # Keras' symbolic build: variables do not exist yet.
+            _build_symbolically(model, args, kwargs)
+        self._place(model)
+
+    def _place(self, model):
+        with self._lock:
+            placed_by = getattr(model, "_tfpar_placed_by", None)
+            if placed_by is self and id(model) in self._reports:
+                return
+            if placed_by is not None:
+                raise PlacementError(
+                    f"Model {model.name!r} is already placed by {placed_by!r} (alone or "
+                    f"inside another model); place the outer model once.")
+            if not _is_built(model):
+                raise PlacementError(
+                    f"Model {model.name!r} is not built, so its layers' sizes are unknown. "
+                    f"Build it first: call it on a batch, or give it an Input.")
+            units = placement_units(model)
+            if not units:
+                raise PlacementError(f"Model {model.name!r} has no layers to place.")
+            from tfpar.layers.on_device import OnDevice
+
+            free = [u for u in units if not isinstance(u, OnDevice)]
+            pinned = {u.name: placement_lib.canonical_device(u.device) for u in units
+                      if isinstance(u, OnDevice)}
+            costs = _layer_costs(units, self._optimizer_slots(model), self._batch_size,
+                                 measure=self._balance_by == "time"
+                                 and self._placement == "balanced")
+            free_costs = [c for c in costs if c.name not in pinned]
+            if isinstance(self._placement, dict):
+                clash = sorted(set(self._placement) & set(pinned))
+                if clash:
+                    raise PlacementError(
+                        f"The placement names {', '.join(map(repr, clash))}, which "
+                        f"tfpar.layers.OnDevice already pins to a device. Leave them out of "
+                        f"the placement dict.")
+            device_of = {**self._plan(free, free_costs), **pinned}
+            report = PlacementReport(
+                tuple(costs), {n: self._name(d) for n, d in device_of.items()},
+                tuple(self._name(d) for d in self.devices))
+            self._check_memory(report)
+            # id(old tf.Variable) -> (it, its new device). Holding the old copies
+            # keeps their ids unique until optimizer state has followed them.
+            moved, seen = {}, set()
+            with tf.init_scope():
+                for unit in free:
+                    for variable in unit.variables:
+                        if id(variable) in seen:
+                            continue  # Shared by an earlier layer: it stays there.
+                        seen.add(id(variable))
+                        old = getattr(variable, "_value", None)
+                        if old is not None and placement_lib.move_variable(
+                                variable, device_of[unit.name]):
+                            moved[id(old)] = (old, device_of[unit.name])
+                    _wrap_call(unit, device_of[unit.name])
+                self.extended._move_optimizer_state(getattr(model, "optimizer", None), moved)
+            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:
+                object.__setattr__(sub, "_tfpar_placed_by", self)
+            self._reports[id(model)] = report
+
+    def _plan(self, units, costs):
+        """{layer name: canonical device} for the layers the strategy places."""
+        names = [u.name for u in units]
+        if not units:
+            return {}
+        if self._placement == "balanced":
+            placed = plan.balanced_placement(costs, self.devices, by=self._balance_by)
+            return placed
+        if isinstance(self._placement, dict):
+            return plan.check_placement(
+                {name: self._canonical(device, name) for name, device in self._placement.items()},
+                names, self.devices)
+        device_of = {}
+        for unit in units:
+            try:
+                device = self._placement(unit)
+            except Exception as error:  # The user's function: report which layer.
+                raise PlacementError(
+                    f"The placement function failed for layer {unit.name!r} "
+                    f"({type(unit).__name__}): {error}") from error
+            device_of[unit.name] = self._canonical(device, unit.name)
+        return plan.check_placement(device_of, names, self.devices)
+
+    def _canonical(self, device, layer_name):
+        if not isinstance(device, str) or not device:
+            raise PlacementError(
+                f"Layer {layer_name!r} cannot be placed: its device must be a device name "
+                f"such as '/cpu:1', one of {', '.join(self._display.values())}. "
+                f"Received: {device!r}")
+        try:
+            canonical = placement_lib.canonical_device(device)
+        except (ValueError, TypeError) as error:
+            raise PlacementError(
+                f"Layer {layer_name!r} is placed on malformed device {device!r}: use a name "
+                f"like '/cpu:0' or '/gpu:1'.") from error
+        if canonical not in self.devices:
+            raise PlacementError(
+                f"Layer {layer_name!r} is placed on {device!r}, which is not one of the "
+                f"strategy's devices: {', '.join(self._display.values())}. Add it to "
+                f"ModelParallelStrategy(devices=...) or place the layer elsewhere.")
+        return canonical
+
+    def _name(self, canonical):
+        return self._display.get(canonical, canonical)
+
+    def _optimizer_slots(self, model):
+        optimizer = getattr(model, "optimizer", None)
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+        if optimizer is not None:
+            try:
+                return plan.optimizer_slots(
+                    type(optimizer).__name__, momentum=_number(optimizer, "momentum"),
+                    centered=bool(getattr(optimizer, "centered", False)),
+                    amsgrad=bool(getattr(optimizer, "amsgrad", False)))
+            except PlacementError:
+                pass  # A custom optimizer: fall back to the hint.
+        return _DEFAULT_SLOTS if self._slots_hint is None else self._slots_hint
+
+    def _check_memory(self, report):
+        if self._memory_limit is None:
+            return
+        over = {d: t.bytes for d, t in report.totals.items() if t.bytes > self._memory_limit}
+        if over:
+            total = sum(t.bytes for t in report.totals.values())
+            raise PlacementError(
+                f"The placement needs more than memory_limit="
+                f"{plan.format_bytes(self._memory_limit)} on "
+                + ", ".join(f"{d} ({plan.format_bytes(b)})" for d, b in over.items())
+                + f". The model needs {plan.format_bytes(total)} in all, at least "
+                f"{math.ceil(total / self._memory_limit)} devices' worth. Use more devices, a "
+                f"smaller batch_size, or placement='balanced'.\n{report}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementReport:
+    """Where each layer lives and the estimated bytes each device holds.
+
+    `layers` are `LayerCost` records in model order, `placement` maps layer names
+    to devices. `str(report)` is a plain-text table.
+    """
+
+    layers: tuple
+    placement: dict
+    devices: tuple
+
+    @property
+    def totals(self):
+        """{device: DeviceTotal(layers, params, bytes)}."""
+        return plan.device_totals(self.layers, self.placement, self.devices)
+
+    @property
+    def imbalance(self):
+        """How far the fullest device is above an even split: 0.1 is 10%."""
+        return plan.imbalance(self.totals)
+
+    def __str__(self):
+        return plan.format_report(self.layers, self.placement, self.devices)
+
+
+class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
+    """One replica on the first device; variables on the device of their layer."""
+
+    def __init__(self, container_strategy, devices):
+        super().__init__(container_strategy, devices[0])
+        # id(tf.Variable of an optimizer slot) -> the variable it was colocated with.
+        self._colocated = {}
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        if colocate_with is None:
+            kwargs.pop("colocate_with", None)
+            with ops.device(placement_lib.current_variable_device() or self._device):
+                return next_creator(**kwargs)
+        variable = super()._create_variable(next_creator, **kwargs)
+        if isinstance(colocate_with, tf.Variable):
+            # Weak: a moved variable's old copy must be freed.
+            self._colocated[id(variable)] = (weakref.ref(variable), weakref.ref(colocate_with))
+        return variable
+
+    def _update(self, var, fn, args, kwargs, group):
+        # Optimizer updates run where the variable lives, not on the first device.
+        with ops.device(var.device), distribute_lib.UpdateContext(self._device):
+            result = fn(var, *args, **kwargs)
+            return result if group else nest.map_structure(self._local_results, result)
+
+    def _move_optimizer_state(self, optimizer, moved):
+        """Moves optimizer state already built for moved variables next to them."""
+        if optimizer is None or not moved:
+            return
+        for variable in getattr(optimizer, "variables", ()):
+            value = getattr(variable, "_value", None)
+            slot, colocated = self._colocated.get(id(value), (lambda: None, lambda: None))
+            if slot() is value and colocated() is not None and id(colocated()) in moved:
+                placement_lib.move_variable(variable, moved[id(colocated())][1])
+
+
+def placement_units(model):
+    """The layers a model is placed by, in model order (see the module docstring)."""
+    import keras
+
+    units, seen = [], set()
+
+    def visit(container):
+        for layer in container.layers:
+            if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
+                continue
+            seen.add(id(layer))
+            if _is_model(layer):
+                visit(layer)
+            else:
+                units.append(layer)
+
+    visit(model)
+    return units
+
+
+def _is_model(layer):
+    import keras
+
+    return isinstance(layer, keras.Model)
+
+
+def _is_built(model):
+    return model.built and all(layer.built for layer in placement_units(model))
+
+
+def _build_symbolically(model, args, kwargs):
+    """Creates a model's variables from the shapes of a call's inputs, running nothing."""
+    from keras.src import backend, tree
+
+    def spec(x):
+        if tf.is_tensor(x) or hasattr(x, "__array__"):
+            return backend.KerasTensor(tuple(x.shape), backend.standardize_dtype(x.dtype))
+        return x
+
+    with tf.init_scope():
+        backend.compute_output_spec(model, *tree.map_structure(spec, args),
+                                    **tree.map_structure(spec, kwargs))
+
+
+def _wrap_call(layer, device):
+    """Makes `layer.call` run through `placed_call` on `device` (re-wrapping is fine)."""
+    original = layer.__dict__.get("_tfpar_original_call") or layer.call
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return placement_lib.placed_call(original, device, *args, **kwargs)
+
+    call._tfpar_device = device
+    # object.__setattr__: Keras would track these attributes as layer state.
+    object.__setattr__(layer, "_tfpar_original_call", original)
+    object.__setattr__(layer, "call", call)
+
+
+def _layer_costs(layers, slots, batch_size, measure=False):
+    costs = []
+    for layer in layers:
+        weights = layer.weights
+        trainable = {id(w) for w in layer.trainable_weights}
+        params = sum(_size(w) for w in weights)
+        weight_bytes = sum(_size(w) * _dtype_bytes(w.dtype) for w in weights)
+        slot_bytes = slots * sum(_size(w) * _dtype_bytes(w.dtype) for w in weights
+                                 if id(w) in trainable)
+        activation_bytes = _output_elements(layer) * batch_size * _dtype_bytes(
+            layer.compute_dtype)
+        seconds = _measure(layer, batch_size) if measure else 0.0
+        costs.append(plan.LayerCost(layer.name, params, weight_bytes, slot_bytes,
+                                    activation_bytes, seconds))
+    return costs
+
+
+def _size(variable):
+    return int(math.prod(int(d) for d in variable.shape))
+
+
+def _dtype_bytes(dtype):
+    return tf.as_dtype(dtype).size
+
+
+def _shapes(structure):
+    """Flat list of shapes in a nest of shapes/tensors."""
+    from keras.src import tree
+
+    if isinstance(structure, (tuple, list)) and all(
+            d is None or isinstance(d, int) for d in structure):
+        return [tuple(structure)]
+    if hasattr(structure, "shape"):
+        return [tuple(structure.shape)]
+    if isinstance(structure, (tuple, list, dict)):
+        values = structure.values() if isinstance(structure, dict) else structure
+        return [s for v in values for s in _shapes(v)]
+    return [tuple(t.shape) for t in tree.flatten(structure) if hasattr(t, "shape")]
+
+
+def _output_elements(layer):
+    """Elements per example of a layer's output(s): from its graph node, else its shape."""
+    nodes = getattr(layer, "_inbound_nodes", None)
+    if nodes:
+        shapes = _shapes(nodes[-1].outputs)
+    else:
+        build_shapes = getattr(layer, "_build_shapes_dict", None)
+        if not build_shapes or len(build_shapes) != 1:
+            return 0
+        try:
+            shapes = _shapes(layer.compute_output_shape(next(iter(build_shapes.values()))))
+        except Exception:  # Not every layer can say; its activations then count as 0.
+            return 0
+    return sum(math.prod(d or 1 for d in shape[1:]) for shape in shapes)
+
+
+def _measure(layer, batch_size, repeats=3):
+    """Median seconds of one forward and backward of `layer` on zeros, on one device."""
+    from keras.src import tree
+
+    nodes = getattr(layer, "_inbound_nodes", None)
+    if nodes:
+        args, kwargs = nodes[-1].arguments.args, nodes[-1].arguments.kwargs
+        shape_of = lambda t: (batch_size,) + tuple(t.shape[1:])  # noqa: E731
+    else:
+        build_shapes = getattr(layer, "_build_shapes_dict", None)
+        if not build_shapes or len(build_shapes) != 1:
+            raise PlacementError(
+                f"Cannot time layer {layer.name!r}: its input shape is unknown. Use "
+                f"balance_by='bytes' or 'params'.")
+        shape = next(iter(build_shapes.values()))
+        args, kwargs = (tf.TensorSpec((None,) + tuple(shape[1:]), layer.input_dtype),), {}
+        shape_of = lambda t: (batch_size,) + tuple(t.shape[1:])  # noqa: E731
+
+    def zeros(t):
+        return tf.zeros(shape_of(t), t.dtype) if hasattr(t, "shape") and hasattr(t, "dtype") else t
+
+    with tf.init_scope():
+        call_args, call_kwargs = tree.map_structure(zeros, (tuple(args), dict(kwargs)))
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                outputs = layer(*call_args, **call_kwargs)
+                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
+                                 for o in tf.nest.flatten(outputs)])
+            return tape.gradient(loss, layer.trainable_weights) if layer.trainable_weights \
+                else loss
+
+        step()  # Trace and warm up.
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def _number(obj, name):
+    value = getattr(obj, name, 0.0)
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _check_placement_arg(placement):
+    if placement == "balanced" or callable(placement):
+        return placement
+    if isinstance(placement, dict):
+        return dict(placement)
+    raise PlacementError(
+        f"placement must be 'balanced', a dict {{layer name: device}} or a callable "
+        f"layer -> device. Received: {placement!r}")
+
+
+def _check_optimizer_hint(optimizer):
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return optimizer
+    if isinstance(optimizer, str):
+        return plan.optimizer_slots(optimizer)
+    raise PlacementError(
+        f"optimizer must be an optimizer name such as 'adam' or a number of state copies "
+        f"per weight. Received: {optimizer!r}")
+

@@ -1,0 +1,170 @@
+"""Running a callable on one device, forward *and* backward.
+
+`placed_call(fn, device, *args, **kwargs)` is the one building block of model
+parallelism: `ModelParallelStrategy` wraps each layer's `call` with it, `OnDevice`
+calls it, and the pipeline runs its stages through it.
+
+Why a custom gradient: `tf.device` only places the ops built inside it. On TF 2.21
+the gradient ops that `GradientTape` builds inside a `tf.function` carry no
+device, so the whole backward pass lands on the default device. Here the forward
+runs under `tf.device(device)` on a tape of its own, inside `tf.custom_gradient`;
+when an outer tape (Keras `fit`, or a user's loop) reaches this call, the gradient
+function builds the vector-Jacobian product from that tape, again under
+`tf.device(device)`, so every backward op is built with the device. The forward
+is not recomputed. The same holds in eager mode.
+
+Variables: ops that read a variable run where the variable lives, so a layer's
+variables must be created on its device too. `variable_device(device)` names the
+device on which `ModelParallelStrategy` creates variables meanwhile, and
+`move_variable` moves an existing Keras variable.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import device_util
+from tensorflow.python.eager import record
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def variable_device(device):
+    """Ops, and variables created by `ModelParallelStrategy`, go to `device` meanwhile."""
+    previous = getattr(_local, "device", None)
+    _local.device = device
+    try:
+        with tf.device(device):
+            yield
+    finally:
+        _local.device = previous
+
+
+def current_variable_device():
+    """The device of the innermost `variable_device` scope, or None."""
+    return getattr(_local, "device", None)
+
+
+def canonical_device(device):
+    """'/cpu:1' -> '/job:localhost/replica:0/task:0/device:CPU:1'; None stays None."""
+    return None if device is None else device_util.canonicalize(device)
+
+
+def move_variable(variable, device):
+    """Moves a Keras variable's storage to `device`, keeping its value and identity.
+
+    The `keras.Variable` object stays the same (layers, optimizers and
+    checkpoints refer to it); the `tf.Variable` inside it is replaced by a copy
+    on `device`. The copy keeps the old `_unique_id`, which is what Keras'
+    TensorFlow optimizer keys its per-variable state by. Returns True if moved.
+
+    Call it before the variable is captured by a traced `tf.function`: traces
+    made before keep reading the old copy.
+    """
+    old = variable.value if hasattr(variable, "_value") else variable
+    if canonical_device(old.device) == canonical_device(device):
+        return False
+    with tf.init_scope(), variable_device(device):
+        new = tf.Variable(
+            old.read_value(), trainable=old.trainable, name=old.name.split(":")[0],
+            dtype=old.dtype, aggregation=old.aggregation,
+            synchronization=old.synchronization, shape=old.shape)
+    new._unique_id = old._unique_id  # pylint: disable=protected-access
+    variable._value = new  # pylint: disable=protected-access
+    return True
+
+
+def _in_keras_symbolic_scope():
+    # Keras traces layers on symbolic inputs to infer shapes; nothing runs there.
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return in_symbolic_scope()
+
+
+def _differentiable(x):
+    return isinstance(x, tf.Tensor) and (x.dtype.is_floating or x.dtype.is_complex)
+
+
+def placed_call(fn, device, *args, **kwargs):
+    """Calls `fn(*args, **kwargs)` on `device`, and builds its gradient there too.
+
+    Floating-point tensors among `args`/`kwargs` (nested structures allowed) are
+    differentiable inputs; everything else (ints, Python values, masks) passes
+    through unchanged. Trainable variables that `fn` reads get gradients, as with
+    any TensorFlow code.
+
+    Args:
+      fn: the callable, e.g. a Keras layer (its `__call__` runs on `device`).
+      device: a device string, or None to just call `fn`.
+
+    Returns:
+      What `fn` returns.
+
+    Example:
+      >>> import tensorflow as tf
+      >>> w = tf.Variable(2.0)
+      >>> x = tf.constant(3.0)
+      >>> with tf.GradientTape() as tape:
+      ...     tape.watch(x)
+      ...     y = placed_call(lambda t: t * w, "/cpu:0", x)
+      >>> [float(g) for g in tape.gradient(y, [x, w])]
+      [2.0, 3.0]
+    """
+    if device is None or _in_keras_symbolic_scope():
+        return fn(*args, **kwargs)
+    if tf.executing_eagerly() and not record.could_possibly_record():
+        # Eager inference: there is no backward to place.
+        with tf.device(device):
+            return fn(*args, **kwargs)
+
+    flat = tf.nest.flatten((args, kwargs))
+    inputs_at = [i for i, x in enumerate(flat) if _differentiable(x)]
+    structure = {}
+
+    def forward(*inputs):
+        leaves = list(flat)
+        for i, tensor in zip(inputs_at, inputs):
+            leaves[i] = tensor
+        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
+        # Persistent: an outer persistent tape may ask for this gradient twice.
+        tape = tf.GradientTape(persistent=True)
+        with tape:
+            tape.watch(inputs)
+            outputs = fn(*call_args, **call_kwargs)
+        flat_out = tf.nest.flatten(outputs)
+        structure["outputs"] = outputs
+        structure["tensors_at"] = [i for i, o in enumerate(flat_out) if isinstance(o, tf.Tensor)]
+        results = [flat_out[i] for i in structure["tensors_at"]]
+
+        def gradient(*upstream, variables=None):
+            sources = list(inputs) + list(variables or ())
+            # Outputs that received no gradient are left out, not seeded with ones.
+            used = [(r, u) for r, u in zip(results, upstream)
+                    if u is not None and _differentiable(r)]
+            if used and sources:
+                with tf.device(device):
+                    grads = tape.gradient([r for r, _ in used], sources,
+                                          output_gradients=[u for _, u in used])
+            else:
+                grads = [None] * len(sources)
+            input_grads = list(grads[:len(inputs)])
+            if variables is None:
+                return input_grads
+            return input_grads, list(grads[len(inputs):])
+
+        return results, gradient
+
+    with tf.device(device):
+        results = tf.custom_gradient(forward)(*[flat[i] for i in inputs_at])
+    outputs = structure["outputs"]
+    flat_out = tf.nest.flatten(outputs)
+    for i, placed in zip(structure["tensors_at"], results):
+        mask = getattr(flat_out[i], "_keras_mask", None)
+        if mask is not None:  # Keras attaches masks to tensors; keep them.
+            try:
+                placed._keras_mask = mask  # pylint: disable=protected-access
+            except AttributeError:
+                pass
+        flat_out[i] = placed
+    return tf.nest.pack_sequence_as(outputs, flat_out)
