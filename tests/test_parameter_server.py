@@ -162,3 +162,33 @@ def test_server_refuses_the_chief_task():
                             text=True, timeout=120, env=dict(os.environ, TF_CONFIG=tf_config))
     assert result.returncode != 0
     assert "tfpar.server serves 'worker' and 'ps' tasks" in result.stderr
+
+
+@pytest.mark.slow
+def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
+    args = ["-m", "tfpar.train", "--strategy=ps", "--epochs=4", "--verbose=2",
+            f"--model_dir={tmp_path}"]
+    first = Cluster(2, 1)
+    try:
+        first.start_servers()
+        first.start(args, "chief", 0)
+        first.wait_for("Epoch 3/4", "chief:0", timeout=180)
+        killed_at = time.monotonic()
+        first.kill("ps:0")
+        assert first.wait(["chief:0"], timeout=120) != [0]
+        assert time.monotonic() - killed_at < 60
+        out = first.output("chief:0")
+        assert "tfpar: A parameter server stopped responding (ps:0" in out, out[-4000:]
+        assert "final:" not in out
+    finally:
+        first.kill_all()
+    second = Cluster(2, 1)
+    try:
+        second.start_servers()
+        second.start(args, "chief", 0)
+        assert second.wait(["chief:0"], timeout=240) == [0], second.output()[-4000:]
+        out = second.output("chief:0")
+        assert re.findall(r"Epoch (\d)/4", out) == ["3", "4"], out[-4000:]
+        assert re.search(r"final: loss=[\d.]+ accuracy=0\.9", out), out[-2000:]
+    finally:
+        second.kill_all()
