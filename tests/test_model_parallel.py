@@ -267,6 +267,36 @@ def test_lazily_built_subclassed_model_fit_moves_optimizer_state(data):
     assert str(strategy.placement_report()).count("/cpu:") >= 6
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_embedding_batchnorm_dropout_model_fits_equal(run_eagerly):
+    # Sparse (IndexedSlices) gradients, non-trainable state updated in the forward,
+    # and a dropout seed generator, all moved to their layer's device.
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 50, size=(4 * BATCH, 6)).astype("int32"), rng.integers(0, 3, 4 * BATCH)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return compiled(keras.Sequential([
+            keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 8, name="emb"),
+            keras.layers.Flatten(), keras.layers.Dense(16, name="alpha"),
+            keras.layers.BatchNormalization(name="bn"), keras.layers.Dropout(0.3, name="drop"),
+            keras.layers.Dense(3, name="gamma")]))
+
+    reference = make()
+    reference.run_eagerly = run_eagerly
+    strategy = tfpar.ModelParallelStrategy(cpus(3))
+    with strategy.scope():
+        model = make()
+    model.run_eagerly = run_eagerly
+    fit(model, x, y, epochs=1)
+    assert_weights_equal(model.get_weights(), fit(reference, x, y, epochs=1).get_weights())
+    placement = strategy.placement_report().placement
+    assert sorted(set(placement.values())) == cpus(3)
+    for layer in model.layers:
+        for variable in layer.variables:  # BatchNorm's moving stats, Dropout's seed too.
+            assert device_index(variable.value.device) == device_index(placement[layer.name])
+
+
 def test_nested_model_is_placed_by_its_layers(data):
     x = data[0][:BATCH]
     keras.utils.set_random_seed(3)
@@ -470,6 +500,12 @@ def test_bad_input_is_rejected_clearly():
     with pytest.raises(PlacementError, match="'gamma' cannot be placed.*Received: None"):
         place(tfpar.ModelParallelStrategy(
             cpus(2), placement=lambda layer: None if layer.name == "gamma" else "/cpu:0"))
+    # The same errors reach model.fit, before any step runs.
+    strategy = tfpar.ModelParallelStrategy(cpus(2), placement={"alpha": "/cpu:0"})
+    with strategy.scope():
+        model = compiled(mlp())
+    with pytest.raises(PlacementError, match="not placed: beta, gamma"):
+        model.fit(*toy_data(n=BATCH), verbose=0)
     # Not built: layer sizes are unknown.
     strategy = tfpar.ModelParallelStrategy(cpus(2))
     with strategy.scope():
@@ -496,3 +532,16 @@ def test_placed_call_on_plain_function_and_structures():
     gx, gw = tape.gradient(loss, [x, w])
     np.testing.assert_allclose(gx, [6.0, 6.0])
     np.testing.assert_allclose(gw, 12.0)
+
+
+def test_model_call_hook_installs_once_and_ignores_other_models():
+    from tfpar import keras_seam
+
+    keras_seam.install_model_call_hook()
+    hook = keras.Model.__call__
+    keras_seam.install_model_call_hook()
+    assert keras.Model.__call__ is hook and hook._tfpar_model_call_hook
+    model = mlp()  # no strategy: called as usual, never placed
+    assert model(np.zeros((1, 4), "float32")).shape == (1, 3)
+    assert getattr(model, "_tfpar_placed_by", None) is None
+    assert model.layers[0].kernel.value.device.endswith("CPU:0")

@@ -15,12 +15,13 @@ from absl import app, flags
 from tfpar.cluster.tf_config import parse_tf_config
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("threads", 0, "inter-op threads of the server (0: TensorFlow's default).")
+flags.DEFINE_integer("intra_op_threads", 0,
+                     "Threads one op may use (0: TensorFlow's default, all cores).")
 
 SERVED_JOBS = ("worker", "ps")
 
 
-def serve(config, threads=0):
+def serve(config, intra_op_threads=0):
     """Starts the server of `config`'s task and blocks until the process is killed."""
     if config.task_type not in SERVED_JOBS:
         raise ValueError(
@@ -28,8 +29,8 @@ def serve(config, threads=0):
             f"{config.task_type!r}. Run your training program on the chief instead.")
     import tensorflow as tf
 
-    if threads:
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    if intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
     server = tf.distribute.Server(
         tf.train.ClusterSpec({job: list(a) for job, a in config.cluster.items()}),
         job_name=config.task_type, task_index=config.task_index,
@@ -45,7 +46,7 @@ def main(argv):
     if config.task_type is None:
         sys.exit("tfpar.server: TF_CONFIG has no 'task'; say which task this process serves, "
                  "e.g. \"task\": {\"type\": \"worker\", \"index\": 0}.")
-    serve(config, FLAGS.threads)
+    serve(config, FLAGS.intra_op_threads)
 
 
 def entry():

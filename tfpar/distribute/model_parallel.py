@@ -34,7 +34,9 @@ layers keep the device they name and are left out of the plan. Work that a
 subclassed model does in its own `call` between layers, weights it creates itself,
 the loss and metrics run on the first device. The order of a subclassed model's
 layers is the order its attributes were set, which should follow the call order
-for "balanced" to cut the model into contiguous groups.
+for "balanced" to cut the model into contiguous groups. Placement wraps each layer's
+`call` on the instance; layers quantized by Keras run `quantized_call` instead and
+are not placed.
 
 Combinations with data parallelism:
 
@@ -50,11 +52,11 @@ Combinations with data parallelism:
 """
 
 import dataclasses
-import functools
 import math
 import statistics
 import threading
 import time
+import types
 import weakref
 
 import tensorflow as tf
@@ -75,16 +77,17 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
     """Splits a Keras model by layers over devices: each layer lives and runs on one.
 
     Under its scope each layer of a Keras model (Sequential, functional, or
-    subclassed with sub-layers) gets a device; its variables are created there and
-    its forward and backward run there. Activations flow from device to device.
-    The strategy runs one replica; the loss, metrics and input pipeline live on
-    the first device.
+    subclassed with sub-layers) gets a device when the model first runs; its
+    variables and optimizer state live there and its forward and backward run
+    there. Activations flow from device to device. The strategy runs one replica;
+    the loss, metrics and input pipeline live on the first device. See the module
+    docstring for what is placed and when.
 
     Args:
       devices: device names. None: all GPUs, or all logical CPUs without GPUs.
       placement: "balanced" (contiguous groups of layers, about equal cost per
-        device), a dict `{layer name: device}` naming every layer, or a callable
-        `layer -> device`.
+        device), a dict `{layer name: device}` naming every layer (devices may stay
+        unused), or a callable `layer -> device`.
       balance_by: for "balanced", the cost to even out: "bytes" (weights,
         optimizer state and output activations at `batch_size`), "params", or
         "time" (each layer's forward and backward measured on one device).
@@ -238,8 +241,7 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
         if not units:
             return {}
         if self._placement == "balanced":
-            placed = plan.balanced_placement(costs, self.devices, by=self._balance_by)
-            return placed
+            return plan.balanced_placement(costs, self.devices, by=self._balance_by)
         if isinstance(self._placement, dict):
             return plan.check_placement(
                 {name: self._canonical(device, name) for name, device in self._placement.items()},
@@ -302,7 +304,8 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
                 + ", ".join(f"{d} ({plan.format_bytes(b)})" for d, b in over.items())
                 + f". The model needs {plan.format_bytes(total)} in all, at least "
                 f"{math.ceil(total / self._memory_limit)} devices' worth. Use more devices, a "
-                f"smaller batch_size, or placement='balanced'.\n{report}")
+                f"smaller batch_size, or a placement that evens out the bytes "
+                f"(placement='balanced', balance_by='bytes').\n{report}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +339,9 @@ class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
 
     def __init__(self, container_strategy, devices):
         super().__init__(container_strategy, devices[0])
-        # id(tf.Variable of an optimizer slot) -> the variable it was colocated with.
-        self._colocated = {}
+        # id(tf.Variable of an optimizer slot) -> weak refs to it and to the variable
+        # it was colocated with, so that placing a model can move the slot too.
+        self._colocated, self._colocated_alive = {}, 0
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
@@ -347,6 +351,9 @@ class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
                 return next_creator(**kwargs)
         variable = super()._create_variable(next_creator, **kwargs)
         if isinstance(colocate_with, tf.Variable):
+            if len(self._colocated) >= 2 * self._colocated_alive + 1024:  # Forget the dead.
+                self._colocated = {k: v for k, v in self._colocated.items() if v[0]()}
+                self._colocated_alive = len(self._colocated)
             # Weak: a moved variable's old copy must be freed.
             self._colocated[id(variable)] = (weakref.ref(variable), weakref.ref(colocate_with))
         return variable
@@ -415,15 +422,16 @@ def _build_symbolically(model, args, kwargs):
 def _wrap_call(layer, device):
     """Makes `layer.call` run through `placed_call` on `device` (re-wrapping is fine)."""
     original = layer.__dict__.get("_tfpar_original_call") or layer.call
-
-    @functools.wraps(original)
-    def call(*args, **kwargs):
-        return placement_lib.placed_call(original, device, *args, **kwargs)
-
-    call._tfpar_device = device
+    # Bound methods, not closures: a deep copy of the layer then calls its own copy.
     # object.__setattr__: Keras would track these attributes as layer state.
     object.__setattr__(layer, "_tfpar_original_call", original)
-    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, "_tfpar_device", device)
+    object.__setattr__(layer, "call", types.MethodType(_placed_layer_call, layer))
+
+
+def _placed_layer_call(layer, *args, **kwargs):
+    return placement_lib.placed_call(layer._tfpar_original_call, layer._tfpar_device,
+                                     *args, **kwargs)
 
 
 def _layer_costs(layers, slots, batch_size, measure=False):
@@ -487,21 +495,21 @@ def _measure(layer, batch_size, repeats=3):
     from keras.src import tree
 
     nodes = getattr(layer, "_inbound_nodes", None)
+    build_shapes = getattr(layer, "_build_shapes_dict", None)
     if nodes:
         args, kwargs = nodes[-1].arguments.args, nodes[-1].arguments.kwargs
-        shape_of = lambda t: (batch_size,) + tuple(t.shape[1:])  # noqa: E731
-    else:
-        build_shapes = getattr(layer, "_build_shapes_dict", None)
-        if not build_shapes or len(build_shapes) != 1:
-            raise PlacementError(
-                f"Cannot time layer {layer.name!r}: its input shape is unknown. Use "
-                f"balance_by='bytes' or 'params'.")
+    elif build_shapes and len(build_shapes) == 1:
         shape = next(iter(build_shapes.values()))
         args, kwargs = (tf.TensorSpec((None,) + tuple(shape[1:]), layer.input_dtype),), {}
-        shape_of = lambda t: (batch_size,) + tuple(t.shape[1:])  # noqa: E731
+    else:
+        raise PlacementError(
+            f"Cannot time layer {layer.name!r}: its input shape is unknown. Use "
+            f"balance_by='bytes' or 'params'.")
 
-    def zeros(t):
-        return tf.zeros(shape_of(t), t.dtype) if hasattr(t, "shape") and hasattr(t, "dtype") else t
+    def zeros(t):  # Inputs of the planned batch size; other arguments unchanged.
+        if hasattr(t, "shape") and hasattr(t, "dtype"):
+            return tf.zeros((batch_size,) + tuple(t.shape[1:]), t.dtype)
+        return t
 
     with tf.init_scope():
         call_args, call_kwargs = tree.map_structure(zeros, (tuple(args), dict(kwargs)))
@@ -519,7 +527,7 @@ def _measure(layer, batch_size, repeats=3):
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, step())
+            step()
             seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
 

@@ -13,6 +13,10 @@ function builds the vector-Jacobian product from that tape, again under
 `tf.device(device)`, so every backward op is built with the device. The forward
 is not recomputed. The same holds in eager mode.
 
+Limits: a loss that `fn` adds on the side (Keras `add_loss` inside `call`) is not an
+output, so its gradient reaches `fn`'s inputs and variables through the outer tape,
+correctly but unplaced. Non-float inputs (ids, masks) get no gradient.
+
 Variables: ops that read a variable run where the variable lives, so a layer's
 variables must be created on its device too. `variable_device(device)` names the
 device on which `ModelParallelStrategy` creates variables meanwhile, and
@@ -60,10 +64,12 @@ def move_variable(variable, device):
     TensorFlow optimizer keys its per-variable state by. Returns True if moved.
 
     Call it before the variable is captured by a traced `tf.function`: traces
-    made before keep reading the old copy.
+    made before keep reading the old copy. Variables of a distribution strategy
+    (e.g. mirrored on every replica) are left where the strategy put them.
     """
-    old = variable.value if hasattr(variable, "_value") else variable
-    if canonical_device(old.device) == canonical_device(device):
+    old = getattr(variable, "_value", None)
+    if (old is None or isinstance(old, tf.distribute.DistributedValues)
+            or canonical_device(old.device) == canonical_device(device)):
         return False
     with tf.init_scope(), variable_device(device):
         new = tf.Variable(

@@ -7,6 +7,7 @@ import keras
 
 from tfpar import devices as devices_lib
 from tfpar.distribute import placement
+from tfpar.errors import DeviceError
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -41,7 +42,7 @@ class OnDevice(keras.layers.Wrapper):
         self.device = device
         try:
             self._device = devices_lib.resolve_devices([device])[0]
-        except devices_lib.DeviceError as error:
+        except DeviceError as error:
             if missing_device == "raise" or not isinstance(device, str):
                 raise
             warnings.warn(f"OnDevice({layer.name!r}): {error} The layer runs on the default "

@@ -1,0 +1,115 @@
+"""ModelParallelStrategy over 2 logical CPUs against the same model on one device.
+
+The same MLP and SGD step run on one device (stock OneDeviceStrategy), split by
+ModelParallelStrategy over 2 logical CPUs (one core each), and placed by
+ModelParallelStrategy on a single device (the cost of tfpar's placed forward and
+backward alone). Candidates alternate round by round in one process, so drift on
+the shared machine hits all of them alike. Goal: split <= 1.1x one device.
+
+    python benchmarks/model_parallel.py [--devices 2] [--rounds 7] [--out FILE]
+
+Prints a table and writes JSON (default benchmarks/results/model_parallel.json).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _common import add_common_args, batch, mlp_and_step  # noqa: E402
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--global_batch", type=int, default=1024)
+    add_common_args(parser, width=512, layers=8, steps=20, rounds=7,
+                    out_name="model_parallel.json")
+    return parser.parse_args()
+
+
+def make_step(strategy, args):
+    """A compiled SGD step of the MLP under `strategy`, fed one fixed batch."""
+    import tensorflow as tf
+
+    with strategy.scope():
+        model, replica_step = mlp_and_step(args, args.global_batch)
+    dataset = tf.data.Dataset.from_tensors(batch(args.global_batch, args.width)).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    @tf.function
+    def steps(n):
+        total = tf.constant(0.0)
+        for _ in tf.range(n):
+            total += strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
+        return total
+
+    steps(tf.constant(2))  # trace, place and warm up
+    return model, lambda: float(steps(tf.constant(args.steps)))
+
+
+def main():
+    args = parse_args()
+    import tfpar
+
+    tfpar.virtual_cpus(args.devices, one_core_each=True)
+    import tensorflow as tf
+
+    devices = [f"/cpu:{i}" for i in range(args.devices)]
+    candidates = {
+        "one device": lambda: tf.distribute.OneDeviceStrategy(devices[0]),
+        f"split over {args.devices}": lambda: tfpar.ModelParallelStrategy(devices, optimizer="sgd"),
+        "tfpar on 1 device": lambda: tfpar.ModelParallelStrategy(devices[:1], optimizer="sgd"),
+    }
+    runners, reports = {}, {}
+    for name, make in candidates.items():
+        strategy = make()
+        model, runners[name] = make_step(strategy, args)
+        if isinstance(strategy, tfpar.ModelParallelStrategy):
+            reports[name] = strategy.placement_report(model)
+    times = {name: [] for name in runners}
+    for _ in range(args.rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / args.steps)
+
+    step = {name: statistics.median(t) for name, t in times.items()}
+    base = step["one device"]
+    rows = {name: {"step_ms": round(seconds * 1000, 2),
+                   "samples_per_s": round(args.global_batch / seconds, 1),
+                   "step_time_vs_one_device": round(seconds / base, 3)}
+            for name, seconds in step.items()}
+    split = reports[f"split over {args.devices}"]
+    params = 4 * ((args.layers * (args.width + 1) * args.width) + (args.width + 1) * 10)
+    result = {
+        "benchmark": "model_parallel",
+        "command": "python benchmarks/model_parallel.py " + " ".join(
+            f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
+        "devices": args.devices, "global_batch": args.global_batch,
+        "model": f"MLP {args.layers}x{args.width} + 10-way head, "
+                 f"{params / 2**20:.1f} MiB of weights, SGD",
+        "placement": {d: t.layers for d, t in split.totals.items()},
+        "imbalance": round(split.imbalance, 3),
+        "tensorflow": tf.__version__, "host": platform.node(), "rows": rows,
+        "all_step_ms": {k: [round(t * 1000, 2) for t in v] for k, v in times.items()},
+    }
+    print(f"{result['model']}, batch {args.global_batch}, {args.devices} logical CPUs "
+          f"(one core each), median of {args.rounds} rounds x {args.steps} steps")
+    print(split)
+    print(f"{'candidate':20s} {'step ms':>9s} {'samples/s':>10s} {'vs 1 device':>12s}")
+    for name, row in rows.items():
+        print(f"{name:20s} {row['step_ms']:9.2f} {row['samples_per_s']:10.0f} "
+              f"{row['step_time_vs_one_device']:12.3f}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
