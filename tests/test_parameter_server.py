@@ -192,3 +192,15 @@ def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
         assert re.search(r"final: loss=[\d.]+ accuracy=0\.9", out), out[-2000:]
     finally:
         second.kill_all()
+
+
+@pytest.mark.slow
+def test_example_runs_under_the_launcher_in_sync_mode():
+    example = os.path.join(HERE, "..", "examples", "parameter_server.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=2", "--", sys.executable,
+         example, "--mode=sync", "--epochs=1", "--steps_per_epoch=10"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert re.search(r"\[chief:0\] tfpar.ParameterServerStrategy\(mode='sync', workers=2, ps=2\): "
+                     r"steps=10 test loss=[\d.]+ accuracy=[\d.]+", result.stdout), result.stdout[-3000:]
