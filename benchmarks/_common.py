@@ -44,3 +44,55 @@ def batch(global_batch, width, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(global_batch, width)).astype("float32"),
             rng.integers(0, 10, global_batch).astype("int32"))
+
+
+def add_single_host_args(parser, out_name):
+    """Arguments of the one-host benchmarks: logical CPUs and the MLP's global batch."""
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--global_batch", type=int, default=1024)
+    add_common_args(parser, width=512, layers=8, steps=20, rounds=7, out_name=out_name)
+
+
+def compiled_steps(strategy, args, replica_step):
+    """A function running `args.steps` compiled steps of `replica_step` on one fixed batch."""
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensors(batch(args.global_batch, args.width)).repeat()
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    @tf.function
+    def steps(n):
+        total = tf.constant(0.0)
+        for _ in tf.range(n):
+            total += strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
+        return total
+
+    steps(tf.constant(2))  # trace, place and warm up
+    return lambda: float(steps(tf.constant(args.steps)))
+
+
+def time_rounds(runners, rounds, steps):
+    """Seconds per step of each runner, candidates alternating round by round."""
+    import time
+
+    times = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times
+
+
+def command_line(name, args):
+    return f"python benchmarks/{name}.py " + " ".join(
+        f"--{k}={v}" for k, v in vars(args).items() if k != "out")
+
+
+def write_json(path, result):
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")

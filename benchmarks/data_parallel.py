@@ -9,43 +9,27 @@ Prints a table and writes JSON (default benchmarks/results/data_parallel.json).
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import add_common_args, batch, mlp_and_step  # noqa: E402
+from _common import (  # noqa: E402
+    add_single_host_args, command_line, compiled_steps, mlp_and_step, time_rounds, write_json)
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--global_batch", type=int, default=1024)
-    add_common_args(parser, width=512, layers=8, steps=20, rounds=7, out_name="data_parallel.json")
+    add_single_host_args(parser, out_name="data_parallel.json")
     return parser.parse_args()
 
 
 def make_step(strategy, args):
     """A compiled SGD step of an MLP under `strategy`, fed one fixed global batch."""
-    import tensorflow as tf
-
     with strategy.scope():
         _, replica_step = mlp_and_step(args, args.global_batch)
-    dataset = tf.data.Dataset.from_tensors(batch(args.global_batch, args.width)).repeat()
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
-
-    @tf.function
-    def steps(n):
-        total = tf.constant(0.0)
-        for _ in tf.range(n):
-            total += strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
-        return total
-
-    steps(tf.constant(2))  # trace and warm up
-    return lambda: float(steps(tf.constant(args.steps)))
+    return compiled_steps(strategy, args, replica_step)
 
 
 def main():
@@ -68,12 +52,7 @@ def main():
         "one device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
     }
     runners = {name: make_step(make(), args) for name, make in candidates.items()}
-    times = {name: [] for name in runners}
-    for _ in range(args.rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run()
-            times[name].append((time.perf_counter() - start) / args.steps)
+    times = time_rounds(runners, args.rounds, args.steps)
 
     step = {name: statistics.median(t) for name, t in times.items()}
     stock = step["stock MirroredStrategy"]
@@ -87,8 +66,7 @@ def main():
         }
     result = {
         "benchmark": "data_parallel",
-        "command": "python benchmarks/data_parallel.py " + " ".join(
-            f"--{k}={v}" for k, v in vars(args).items() if k != "out"),
+        "command": command_line("data_parallel", args),
         "devices": args.devices, "global_batch": args.global_batch,
         "model": f"MLP {args.layers}x{args.width}, {grad_bytes / 2**20:.1f} MiB of gradients",
         "tensorflow": tf.__version__, "host": platform.node(), "rows": rows,
@@ -100,10 +78,7 @@ def main():
     for name, row in rows.items():
         print(f"{name:28s} {row['step_ms']:9.2f} {row['samples_per_s']:10.0f} "
               f"{row['step_time_vs_stock']:9.3f} {row['speedup_vs_one_device']:9.3f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
