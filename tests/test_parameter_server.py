@@ -119,6 +119,9 @@ def test_worker_killed_and_restarted_then_ps_killed(tmp_path):
         result = json.loads((tmp_path / "result.json").read_text())
         assert "A parameter server stopped responding (ps:0" in result["ps_error"]
         assert result["ps_error_seconds"] < 60
+        # The restarted worker rejoined (TensorFlow's coordinator logs it).
+        assert re.search(r"Worker /job:worker/replica:0/task:1 has been recovered",
+                         cluster.output("chief:0"))
     finally:
         cluster.kill_all()
 

@@ -208,9 +208,10 @@ class _Input:
             self.num_batches = cardinality if cardinality >= 0 else None
         else:
             self.dataset_fn = None
-            adapter = get_data_adapter(x=x, y=y, sample_weight=sample_weight,
-                                       batch_size=batch_size, steps_per_epoch=steps,
-                                       shuffle=shuffle, class_weight=class_weight)
+            adapter = get_data_adapter(
+                x=x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                steps_per_epoch=steps, shuffle=shuffle and not isinstance(x, tf.data.Dataset),
+                class_weight=class_weight)
             self.dataset = adapter.get_tf_dataset()
             self.num_batches = adapter.num_batches
 

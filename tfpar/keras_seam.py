@@ -82,3 +82,31 @@ def install_model_call_hook():
 
         __call__._tfpar_model_call_hook = True
         keras.Model.__call__ = __call__
+
+
+# --- Pipeline training -------------------------------------------------------------
+# A pipeline interleaves the forward and backward passes of micro-batches, which a
+# model call followed by one gradient tape cannot express: the strategy must build
+# the whole training step. Keras' fit/train_on_batch call `model.train_step(data)`;
+# tfpar wraps `keras.Model.train_step` once, and the wrapper hands the step to the
+# model's strategy if it defines `_tfpar_train_step(model, data)`. Models whose class
+# overrides `train_step` keep their own.
+
+def install_train_step_hook():
+    """Lets a strategy build the train step of models created under its scope. Idempotent."""
+    with _lock:
+        import keras
+
+        if getattr(keras.Model.train_step, "_tfpar_train_step_hook", False):
+            return
+        train_step = keras.Model.train_step
+
+        @functools.wraps(train_step)
+        def wrapper(self, data):
+            step = getattr(getattr(self, "_distribute_strategy", None), "_tfpar_train_step", None)
+            if step is not None:
+                return step(self, data)
+            return train_step(self, data)
+
+        wrapper._tfpar_train_step_hook = True
+        keras.Model.train_step = wrapper

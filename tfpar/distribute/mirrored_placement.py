@@ -1,0 +1,67 @@
+"""Moving the copies of a mirrored variable to other devices, in place.
+
+A `tf.distribute` mirrored variable keeps one `tf.Variable` per replica, on the
+replica's device. In a pipeline, replica r's copy of a stage's variable must live
+on the device that runs that stage for replica r, not on the replica's first
+device. `move_copies` replaces the copies by new ones on the given devices,
+keeping their values and the distributed variable object itself (layers,
+optimizers, checkpoints and Keras variables refer to it). Like
+`placement.move_variable`, it must run before a `tf.function` captures the
+variable.
+"""
+
+import weakref
+
+import tensorflow as tf
+from tensorflow.python.distribute import values as values_lib
+from tensorflow.python.ops import resource_variable_ops
+
+from tfpar.distribute.placement import canonical_device
+
+
+def distributed_value(variable):
+    """The `tf.distribute` variable inside a Keras variable (or itself), or None."""
+    value = getattr(variable, "_value", variable)
+    return value if isinstance(value, values_lib.DistributedVariable) else None
+
+
+def move_copies(variable, devices):
+    """Moves copy i of a mirrored (Keras or TF) variable to `devices[i]`.
+
+    Returns True if any copy moved. Variables that are not distributed are left
+    alone (returns False).
+    """
+    distributed = distributed_value(variable)
+    if distributed is None:
+        return False
+    copies = distributed._values  # pylint: disable=protected-access
+    if len(copies) != len(devices):
+        raise ValueError(
+            f"Variable {distributed.name} has {len(copies)} copies but {len(devices)} devices "
+            f"were given for them.")
+    moved, changed = [], False
+    with tf.init_scope():
+        for old, device in zip(copies, devices):
+            if canonical_device(old.device) == canonical_device(device):
+                moved.append(old)
+                continue
+            with tf.device(device):
+                # The class itself, not tf.Variable: that would ask the strategy in
+                # scope to make yet another distributed variable.
+                new = resource_variable_ops.ResourceVariable(
+                    initial_value=old.read_value(), trainable=old.trainable,
+                    name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
+                    aggregation=old.aggregation, synchronization=old.synchronization)
+            # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
+            new._unique_id = old._unique_id  # pylint: disable=protected-access
+            new.handle._distributed_container = weakref.ref(distributed)  # pylint: disable=protected-access
+            moved.append(new)
+            changed = True
+    distributed._values = tuple(moved)  # pylint: disable=protected-access
+    return changed
+
+
+def devices_of(variable):
+    """The devices of a distributed variable's copies, canonical."""
+    distributed = distributed_value(variable)
+    return tuple(canonical_device(v.device) for v in distributed._values)  # pylint: disable=protected-access

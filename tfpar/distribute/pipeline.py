@@ -1,0 +1,386 @@
+"""Pipeline parallelism: micro-batches flowing through a model cut into stages.
+
+How it works:
+
+- *Stages.* When a model created under the scope first runs, it is cut into K
+  contiguous stages (`pipeline_stages`): at `tfpar.layers.StageBoundary` markers,
+  or into groups of about equal parameter count. Each stage's variables move to
+  its device, with the optimizer state already built for them; later optimizer
+  state is created next to its variable, and updates run there.
+- *Training.* Keras' `fit`/`train_on_batch` call `model.train_step`; the Keras seam
+  (`keras_seam.install_train_step_hook`) hands it to this strategy, which splits
+  the batch into M micro-batches and builds the schedule's forward and backward
+  actions in order (`pipeline_exec.TrainStep`), sums the gradients over
+  micro-batches and applies them once with the model's optimizer.
+- *Evaluation, prediction, custom loops.* The placed model's `call` runs the
+  micro-batches through the stages (forward only, each stage in order on its
+  device); under a gradient tape each stage's backward runs on its device too.
+- *Replicas.* With `num_replicas=R` the strategy is a mirrored strategy of R
+  replicas; replica r runs its pipeline on devices[r*K:(r+1)*K] on B/R of the batch.
+  Every variable has one copy per replica, on the device of its stage in that
+  replica. The optimizer all-reduces each variable's gradient across its R copies
+  with cross-device ops chosen for those R devices (NCCL when they are GPUs,
+  `select_communication`), and applies the same update to every copy.
+- *Saving.* Nothing of the pipeline is saved: `model.save` and checkpoints write a
+  plain Keras model (one copy of each variable) that loads anywhere.
+
+Limits: subclassed models have no graph to cut and are refused; a model whose
+class overrides `train_step` keeps its own step (its `self(x)` still runs the
+stages, without the schedule interleaving). BatchNorm computes its statistics per
+micro-batch (as GPipe does); each micro-batch updates the moving statistics.
+"""
+
+import threading
+import types
+
+import tensorflow as tf
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values as values_lib
+from tensorflow.python.distribute import values_util
+
+from tfpar import devices as devices_lib
+from tfpar import keras_seam
+from tfpar.distribute import group_keys
+from tfpar.distribute import mirrored_placement
+from tfpar.distribute import pipeline_exec
+from tfpar.distribute import pipeline_stages
+from tfpar.distribute.cross_device import make_cross_device_ops
+from tfpar.distribute.model_parallel import _build_symbolically, _is_built, _is_model
+from tfpar.distribute.placement import canonical_device
+from tfpar.errors import DeviceError, PlacementError
+from tfpar.plan import schedule as schedule_lib
+from tfpar.plan.communication import select_communication
+from tfpar.plan.stages import check_micro_batches
+
+
+class PipelineStrategy(tf.distribute.MirroredStrategy):
+    """Trains a Keras model cut into stages, with micro-batches in a pipeline.
+
+    The model (Sequential or functional) is cut into K stages on K devices; each
+    batch is split into M micro-batches that flow through the stages so that the
+    devices work at the same time. Gradients are summed over the micro-batches
+    (they equal those of the whole batch) and applied once. With R pipeline
+    replicas on R x K devices, each stage's gradients are all-reduced across its R
+    copies (NCCL on GPUs).
+
+    Args:
+      devices: device names, R x K of them: replica r uses devices[r*K:(r+1)*K].
+        None: all GPUs, or all logical CPUs without GPUs.
+      num_micro_batches: M, micro-batches per batch (per pipeline replica).
+      schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (one forward
+        one backward: at most K micro-batches in flight per stage).
+      remat: recompute each stage's activations in its backward instead of
+        keeping them (GPipe's rematerialization).
+      num_replicas: R, pipeline replicas (data parallelism over pipelines).
+      num_stages: K; None: len(devices) / num_replicas. With
+        `tfpar.layers.StageBoundary` markers the model must make K stages.
+
+    Raises:
+      ScheduleError: `num_micro_batches` < 1 or an unknown `schedule`.
+      DeviceError: bad devices, or R x K is not the number of devices.
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], num_micro_batches=4)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+      ...                               keras.layers.Dense(3)])
+      ...     model.compile("sgd", "mse")
+      >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
+      >>> print(strategy.schedule_table())  # doctest: +SKIP
+    """
+
+    def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
+                 num_replicas=1, num_stages=None):
+        if not isinstance(remat, bool):
+            raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
+        # Validates M and the schedule's name before anything touches devices.
+        schedule_lib.make_schedule(schedule, 1, num_micro_batches)
+        resolved = devices_lib.resolve_devices(devices)
+        num_stages = _stage_count(len(resolved), num_replicas, num_stages)
+        self._schedule = schedule_lib.make_schedule(schedule, num_stages, num_micro_batches)
+        schedule_lib.validate(self._schedule)
+        self._remat = remat
+        self._grid = tuple(resolved[r * num_stages:(r + 1) * num_stages]
+                           for r in range(num_replicas))
+        given = [devices] if isinstance(devices, str) else (
+            list(devices) if devices is not None else devices_lib.default_devices())
+        self._display = dict(zip(resolved, given))
+        self._lock = threading.RLock()
+        self._recorder = None
+        self._collective_key_base = group_keys.next_key_base()  # Read by MirroredExtended.
+        super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
+        keras_seam.install_model_call_hook()
+        keras_seam.install_train_step_hook()
+
+    def __repr__(self):
+        return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="
+                f"{self.num_micro_batches}, schedule={self._schedule.name!r}, "
+                f"remat={self._remat}, replicas={len(self._grid)})")
+
+    @property
+    def num_stages(self):
+        """K, the stages each pipeline replica is cut into."""
+        return self._schedule.num_stages
+
+    @property
+    def num_micro_batches(self):
+        """M, the micro-batches each replica's batch is split into."""
+        return self._schedule.num_micro_batches
+
+    @property
+    def schedule(self):
+        """The validated `tfpar.plan.schedule.Schedule` every step runs."""
+        return self._schedule
+
+    @property
+    def stage_devices(self):
+        """`stage_devices[r][s]`: the device of stage s in pipeline replica r (canonical)."""
+        return self._grid
+
+    @property
+    def communication(self):
+        """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs)."""
+        return self.extended.stage_communication
+
+    def schedule_table(self):
+        """The schedule as a time-step x stage grid (e.g. `1F0`), with its bubble fraction."""
+        return schedule_lib.format_table(self._schedule)
+
+    def stages(self, model):
+        """The layer names of each stage of `model` (placing it now if it was not yet)."""
+        self._place(model)
+        return [stage.layer_names for stage in model._tfpar_pipeline.stages]  # pylint: disable=protected-access
+
+    def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1):
+        """Runs real training steps of `model` on one batch and writes the last one's timeline.
+
+        Each action (e.g. `1F0`) is time-stamped on its device when it starts and
+        ends. Writes a Chrome trace to `path` (open it in chrome://tracing or
+        Perfetto) and a picture next to it (`path` with a `.png` suffix). The
+        model trains on the batch `warmup_steps + 1` times, as with
+        `model.train_on_batch`.
+
+        Returns:
+          The Chrome trace events (a list of dicts).
+        """
+        from tfpar.distribute import pipeline_trace
+
+        data = tuple(v for v in (x, y, sample_weight) if v is not None)
+        dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
+        iterator = iter(self.experimental_distribute_dataset(dataset))
+        recorder = pipeline_exec.Recorder()
+
+        def replica_step(batch):
+            model.train_step(batch)
+            spans = recorder.spans.get(values_util.get_current_replica_id_as_int() or 0, [])
+            if not spans:
+                raise PlacementError(
+                    f"trace() needs the pipeline's own train step, but {model.name!r} "
+                    f"overrides train_step.")
+            return [tf.stack([start, end]) for _, start, end in spans]
+
+        @tf.function
+        def step(iterator):
+            return self.run(replica_step, args=(next(iterator),))
+
+        self._place(model)
+        with self._lock:
+            self._recorder = recorder
+            try:
+                stamps = step(iterator)  # Traced with the recorder.
+            finally:
+                self._recorder = None
+        for _ in range(warmup_steps):
+            stamps = step(iterator)
+        spans = []
+        for replica, per_replica in enumerate(self.experimental_local_results(stamps)):
+            labels = [label for label, _, _ in recorder.spans[replica]]
+            for label, pair in zip(labels, per_replica):
+                start, end = (float(t) for t in pair.numpy())
+                stage = int(label.split("F")[0].split("B")[0])
+                spans.append((label, replica * self.num_stages + stage, start, end))
+        rows = [f"r{r} stage {s}: {self._name(device)}" if len(self._grid) > 1
+                else f"stage {s}: {self._name(device)}"
+                for r, row in enumerate(self._grid) for s, device in enumerate(row)]
+        title = (f"{self._schedule.name}: {self.num_stages} stages x {self.num_micro_batches} "
+                 f"micro-batches{' (remat)' if self._remat else ''}"
+                 f"{f', {len(self._grid)} replicas' if len(self._grid) > 1 else ''}: one step")
+        events = pipeline_trace.write_chrome_trace(path, spans, rows, {"title": title})
+        png = path[:-5] if path.endswith(".json") else path
+        pipeline_trace.draw_timeline(png + ".png", spans, rows, title)
+        return events
+
+    def _name(self, canonical):
+        return self._display.get(canonical, canonical)
+
+    # -- Placement ---------------------------------------------------------------------
+
+    # Called by the Keras seam before every call of a model created under this scope.
+    def _tfpar_before_model_call(self, model, args, kwargs):
+        if getattr(model, "_tfpar_placed_by", None) is not None:
+            return
+        from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+        if any_symbolic_tensors(args, kwargs):
+            return  # Building a functional model out of this one: nothing runs.
+        if not _is_built(model):
+            if in_stateless_scope():
+                return  # Keras' symbolic build: variables do not exist yet.
+            _build_symbolically(model, args, kwargs)
+        self._place(model)
+
+    def _place(self, model):
+        with self._lock:
+            placed_by = getattr(model, "_tfpar_placed_by", None)
+            if placed_by is self and getattr(model, "_tfpar_pipeline", None) is not None:
+                return
+            if placed_by is not None:
+                raise PlacementError(
+                    f"Model {model.name!r} is already placed by {placed_by!r} (alone or "
+                    f"inside another model); place the outer model once.")
+            if not _is_built(model):
+                raise PlacementError(
+                    f"Model {model.name!r} is not built, so it cannot be cut into stages. "
+                    f"Build it first: call it on a batch, or give it a keras.Input.")
+            program = pipeline_stages.build_program(model, self.num_stages)
+            with tf.init_scope():
+                for stage in program.stages:
+                    devices = [row[stage.index] for row in self._grid]
+                    for variable in stage.placed_variables:
+                        mirrored_placement.move_copies(variable, devices)
+                self.extended.follow_colocated(getattr(model, "optimizer", None))
+            object.__setattr__(model, "_tfpar_pipeline", program)
+            object.__setattr__(model, "_tfpar_original_call", model.call)
+            object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
+            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:  # pylint: disable=protected-access
+                object.__setattr__(sub, "_tfpar_placed_by", self)
+
+    # -- Training (called by the Keras seam for model.train_step) -----------------------
+
+    def _tfpar_train_step(self, model, data):
+        from keras.src import tree
+        from keras.src.losses import loss as loss_module
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        self._place(model)
+        replica = values_util.get_current_replica_id_as_int() or 0
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],  # pylint: disable=protected-access
+                                       self._schedule, self._remat, replica, self._recorder)
+        loss, y_pred, grads = step(x, y, sample_weight)
+        model._loss_tracker.update_state(  # pylint: disable=protected-access
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        if model.trainable_weights:
+            model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
+    """The placed model's `call`: micro-batches through the stages (forward)."""
+    from keras.src.backend.common.keras_tensor import any_symbolic_tensors
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    if mask is not None or kwargs or in_symbolic_scope() or any_symbolic_tensors((inputs,)):
+        return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)  # pylint: disable=protected-access
+    strategy = model._tfpar_placed_by  # pylint: disable=protected-access
+    replica = values_util.get_current_replica_id_as_int() or 0
+    return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],  # pylint: disable=protected-access
+                                 strategy.num_micro_batches, inputs, training)
+
+
+def _stage_count(num_devices, num_replicas, num_stages):
+    if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+        raise DeviceError(f"num_replicas must be an integer >= 1. Received: {num_replicas!r}")
+    if num_stages is None:
+        if num_devices % num_replicas:
+            raise DeviceError(
+                f"{num_devices} devices do not split into {num_replicas} pipeline replicas of "
+                f"equal length: num_replicas x num_stages must equal the number of devices. "
+                f"Use a multiple of {num_replicas} devices, or another num_replicas.")
+        return num_devices // num_replicas
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise DeviceError(f"num_stages must be an integer >= 1 or None. Received: {num_stages!r}")
+    if num_stages * num_replicas != num_devices:
+        raise DeviceError(
+            f"num_replicas x num_stages ({num_replicas} x {num_stages} = "
+            f"{num_replicas * num_stages}) must equal the number of devices ({num_devices}): "
+            f"each pipeline replica runs one stage per device. Pass {num_replicas * num_stages} "
+            f"devices, or num_stages={num_devices // num_replicas if num_devices % num_replicas == 0 else 'None'}.")
+    return num_stages
+
+
+class _PipelineExtended(mirrored_strategy.MirroredExtended):
+    """A mirrored strategy over the replicas' first devices, with one reduction per stage.
+
+    Variables are mirrored over the replicas; placement moves each copy to its
+    stage's device. A gradient's copies then live on one stage's R devices, and
+    are reduced by that stage's cross-device ops.
+    """
+
+    def __init__(self, container_strategy, grid):
+        self._grid = grid
+        super().__init__(container_strategy, devices=[row[0] for row in grid])
+
+    def _initialize_strategy(self, devices):
+        super()._initialize_strategy(devices)
+        self._stage_ops, self.stage_communication = {}, {}
+        for s in range(len(self._grid[0])):
+            stage_devices = tuple(canonical_device(row[s]) for row in self._grid)
+            communication = select_communication(
+                "auto", [devices_lib.device_type(d) for d in stage_devices])
+            self.stage_communication[s] = communication
+            self._stage_ops[stage_devices] = make_cross_device_ops(
+                communication, stage_devices, self._collective_keys)
+        self._cross_device_ops = self._stage_ops[tuple(canonical_device(d) for d in devices)]
+
+    def _get_cross_device_ops(self, value):
+        ops = super()._get_cross_device_ops(value)
+        if ops is not self._cross_device_ops or not isinstance(value, values_lib.DistributedValues):
+            return ops  # XLA or int32: TensorFlow's own choice.
+        devices = tuple(canonical_device(v.device) for v in value.values)
+        return self._stage_ops.get(devices, ops)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        # Gradients of different stages live on different devices: reduce each
+        # stage's group with that stage's ops.
+        groups = {}
+        for i, (value, _) in enumerate(value_destination_pairs):
+            ops = self._get_cross_device_ops(value)
+            groups.setdefault(id(ops), (ops, []))[1].append(i)
+        results = [None] * len(value_destination_pairs)
+        for ops, indices in groups.values():
+            reduced = ops.batch_reduce(
+                reduce_op, [value_destination_pairs[i] for i in indices],
+                options=self._communication_options.merge(options))
+            for i, value in zip(indices, reduced):
+                results[i] = value
+        return results
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        variable = super()._create_variable(next_creator, **kwargs)
+        if isinstance(colocate_with, values_lib.DistributedVariable) and isinstance(
+                variable, values_lib.DistributedVariable):
+            # Optimizer state: when placement later moves `colocate_with`, it follows.
+            variable._tfpar_colocated_with = colocate_with  # pylint: disable=protected-access
+        return variable
+
+    def follow_colocated(self, optimizer):
+        """Moves optimizer state created next to a variable that has since moved."""
+        for variable in getattr(optimizer, "variables", ()):
+            distributed = mirrored_placement.distributed_value(variable)
+            target = getattr(distributed, "_tfpar_colocated_with", None)
+            if target is not None and (mirrored_placement.devices_of(target)
+                                       != mirrored_placement.devices_of(variable)):
+                mirrored_placement.move_copies(variable, mirrored_placement.devices_of(target))
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        first = tf.nest.flatten(dataset.element_spec)[0]
+        shape = getattr(first, "shape", None)
+        if shape is not None and shape.rank and shape[0] is not None:
+            schedule = self._container_strategy()._schedule  # pylint: disable=protected-access
+            check_micro_batches(int(shape[0]), schedule.num_micro_batches, len(self._grid))
+        return super()._experimental_distribute_dataset(dataset, options)

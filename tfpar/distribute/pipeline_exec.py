@@ -1,0 +1,403 @@
+"""Running a pipeline schedule with TensorFlow: one replica's train step, and the forward.
+
+The train step walks `execution_order(schedule)` and builds, for each action:
+
+- F(s, m): stage s's layers on micro-batch m's input, under `tf.device(stage s)`,
+  recorded by a `GradientTape` of its own (the last stage also computes the loss).
+- B(s, m): that tape's vector-Jacobian product under the same `tf.device`: the
+  gradient of the stage's output (seeded with the gradient that stage s+1 sent
+  back) with respect to the stage's input and variables. Variable gradients are
+  summed over micro-batches on the stage's device.
+
+*Order.* On CPUs a device is not a serial stream: every ready op runs. So each
+action's first ops (an identity of its input, variable reads) get a control
+dependency on the outputs of the same stage's previous action: a stage runs its
+actions strictly in schedule order, while different stages overlap. Data flows
+between stages as usual, so the graph is the schedule.
+
+*Scaling.* Keras' default losses are means over the batch. Micro-batch m's loss
+(a mean over its B/M examples, with Keras' 1/replicas scaling) is multiplied by
+1/M, so the summed gradients are those of the mean over the whole batch. A loss
+with reduction "sum" is not scaled. Losses added in `call` (activity
+regularizers, normalized by batch size) are scaled the same way as the loss; weight
+regularizers are added once per step, by the stage that owns the layer.
+
+*Rematerialization.* With `remat`, F(s, m) runs without a tape and keeps only its
+input; B(s, m) runs the stage again under a tape, then takes the VJP. The rerun
+replays the random-generator states the forward saw (same dropout masks), and
+its variable updates (BatchNorm statistics) are discarded, so each micro-batch
+updates them once.
+
+    schedule (K=2, M=2, GPipe)     graph built (-> data, ==> control)
+    stage 0: 0F0 0F1 0B0 0B1       0F0 ==> 0F1 ==> 0B0 ==> 0B1
+    stage 1: 1F0 1F1 1B0 1B1        |       |       ^       ^
+                                   1F0 ==> 1F1 ==> 1B0 ==> 1B1
+"""
+
+import contextlib
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+
+from tfpar.distribute.placement import placed_call
+from tfpar.plan.schedule import FORWARD, execution_order
+from tfpar.plan.stages import check_micro_batches
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+def _tensors(structure):
+    """The tensors of a structure, flat; IndexedSlices count by their values."""
+    found = []
+    for x in tf.nest.flatten(structure):
+        if isinstance(x, tf.IndexedSlices):
+            found.append(x.values)
+        elif isinstance(x, tf.Tensor):
+            found.append(x)
+    return found
+
+
+def _floats(structure):
+    return [x for x in tf.nest.flatten(structure)
+            if isinstance(x, tf.Tensor) and (x.dtype.is_floating or x.dtype.is_complex)]
+
+
+def _anchor(structure):
+    """An identity of each tensor, made in the current device and control scopes.
+
+    Keras masks riding on the tensors are kept.
+    """
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    def copy(x):
+        if not isinstance(x, tf.Tensor):
+            return x
+        y = tf.identity(x)
+        mask = get_keras_mask(x)
+        if mask is not None:
+            set_keras_mask(y, mask)
+        return y
+
+    return tf.nest.map_structure(copy, structure)
+
+
+def split_batch(structure, num_micro_batches, exact):
+    """Splits each tensor of `structure` into `num_micro_batches` parts along axis 0.
+
+    Returns one structure per micro-batch. `exact`: the parts must be equal (else
+    `BatchSizeError` now for a static batch size, or an error when the step runs);
+    otherwise they may differ by one example (for the forward pass alone).
+    """
+    leaves = tf.nest.flatten(structure)
+    tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
+    if num_micro_batches == 1 or not tensors:
+        return [structure] * num_micro_batches
+    static, size = tensors[0].shape[0], tf.shape(tensors[0])[0]
+    checks = []
+    if exact and static is not None:
+        check_micro_batches(int(static), num_micro_batches)
+        splits = num_micro_batches
+    elif exact:
+        checks.append(tf.debugging.Assert(
+            tf.logical_and(size >= num_micro_batches,
+                           tf.equal(tf.math.floormod(size, num_micro_batches), 0)),
+            [f"tfpar.PipelineStrategy: a batch (per pipeline replica) does not split evenly into "
+             f"{num_micro_batches} micro-batches. Use a batch size that is a multiple of "
+             f"num_replicas x num_micro_batches, or drop the last partial batch "
+             f"(dataset.batch(..., drop_remainder=True)). Batch size:", size]))
+        splits = num_micro_batches
+    else:
+        base, extra = size // num_micro_batches, size % num_micro_batches
+        splits = base + tf.cast(tf.range(num_micro_batches) < extra, size.dtype)
+    parts = []
+    with tf.control_dependencies(checks):
+        for leaf in leaves:
+            if isinstance(leaf, tf.Tensor):
+                parts.append(tf.split(leaf, splits, num=num_micro_batches))
+            else:
+                parts.append([leaf] * num_micro_batches)
+    return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
+            for m in range(num_micro_batches)]
+
+
+def concat_batch(parts):
+    """Joins micro-batch structures back into one batch (inverse of `split_batch`)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=0), *parts)
+
+
+def _accumulate(total, grad):
+    if grad is None:
+        return total
+    if total is None:
+        return grad
+    if isinstance(total, tf.IndexedSlices) and isinstance(grad, tf.IndexedSlices):
+        # Summing sparse gradients is keeping all their rows.
+        return tf.IndexedSlices(tf.concat([total.values, grad.values], 0),
+                                tf.concat([total.indices, grad.indices], 0), total.dense_shape)
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
+
+
+class Recorder:
+    """Collects timestamps of each action while a step is traced (for `trace`)."""
+
+    def __init__(self):
+        self.spans = {}  # replica -> [(action, start tensor, end tensor)]
+
+    def add(self, replica, action, start, end):
+        self.spans.setdefault(replica, []).append((str(action), start, end))
+
+
+def has_custom_compute_loss(model):
+    from keras.src.trainers.trainer import Trainer
+
+    return type(model).compute_loss is not Trainer.compute_loss
+
+
+def loss_factor(model, num_micro_batches):
+    """What each micro-batch's compiled loss is multiplied by so that they sum to the batch's."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    entries = getattr(compile_loss, "_flat_losses", None) or ()
+    reductions = {getattr(entry[1], "reduction", "sum_over_batch_size") for entry in entries}
+    if reductions <= set(_MEAN_REDUCTIONS):
+        return 1.0 / num_micro_batches
+    if reductions == {"sum"}:
+        return 1.0
+    raise ValueError(
+        f"PipelineStrategy adds the losses of micro-batches to get the loss of the batch, "
+        f"which works for losses with reduction 'sum_over_batch_size' (Keras' default), "
+        f"'mean' or 'sum', all alike. The compiled losses use reductions "
+        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions.")
+
+
+class TrainStep:
+    """Builds one pipeline replica's training computation for a schedule.
+
+    Args:
+      model: the compiled Keras model.
+      program: its `StageProgram`.
+      devices: the device of each stage, for this replica.
+      schedule: a validated `Schedule`.
+      remat: recompute each stage's forward in its backward.
+      replica: this replica's id (for the recorder).
+      recorder: a `Recorder`, or None.
+    """
+
+    def __init__(self, model, program, devices, schedule, remat, replica=0, recorder=None):
+        self.model, self.program, self.devices = model, program, list(devices)
+        self.schedule, self.remat = schedule, remat
+        self.replica, self.recorder = replica, recorder
+        k, m = schedule.num_stages, schedule.num_micro_batches
+        self.inputs = [[None] * m for _ in range(k)]  # What each stage reads, per micro-batch.
+        self.kept = [[None] * m for _ in range(k)]  # Tapes, or inputs under remat.
+        self.upstream = [[None] * m for _ in range(k)]  # Gradient of each stage's output.
+        self.after = [[] for _ in range(k)]  # The outputs of each stage's previous action.
+        self.grads = {}  # id(variable) -> gradient summed so far.
+        self.outputs = [None] * m  # The model's outputs, per micro-batch.
+        self.losses = []  # Every loss term, scaled, for the reported loss.
+        self.custom_loss = has_custom_compute_loss(model)
+        self.last_action = [order[-1] for order in schedule.stage_orders]
+
+    # -- Building ------------------------------------------------------------------
+
+    def __call__(self, x, y, sample_weight):
+        """Builds the step; returns (loss, y_pred, gradients of model.trainable_weights)."""
+        m = self.schedule.num_micro_batches
+        with tf.device(self.devices[0]):
+            flat = self.program.standardize(x)
+            for i, part in enumerate(split_batch(flat, m, exact=True)):
+                self.inputs[0][i] = part
+        if self.custom_loss:
+            self.x_parts = split_batch(x, m, exact=True)
+        with tf.device(self.devices[-1]):
+            self.y_parts = split_batch(y, m, exact=True)
+            self.weight_parts = split_batch(sample_weight, m, exact=True)
+        with tf.name_scope("pipeline"):
+            for action in execution_order(self.schedule):
+                if action.kind == FORWARD:
+                    self._forward(action)
+                else:
+                    self._backward(action)
+        with tf.device(self.devices[-1]):
+            loss = tf.add_n([tf.cast(l, tf.float32) for l in self.losses]) if self.losses else (
+                tf.constant(0.0))
+            y_pred = concat_batch(self.outputs)
+        grads = [self.grads.get(id(v)) for v in self.model.trainable_weights]
+        return loss, y_pred, grads
+
+    @contextlib.contextmanager
+    def _in_order(self, action):
+        """Scope of one action: its stage's device, after the stage's previous action."""
+        s = action.stage
+        deps = self.after[s]
+        with tf.name_scope(str(action)), tf.device(self.devices[s]):
+            if self.recorder is not None:
+                with tf.control_dependencies(deps):
+                    deps = [tf.timestamp()]
+                self._start = deps[0]
+            with tf.control_dependencies(deps):
+                yield
+
+    def _done(self, action, tensors):
+        s = action.stage
+        if tensors:
+            self.after[s] = tensors
+        if self.recorder is not None:
+            with tf.device(self.devices[s]), tf.control_dependencies(self.after[s]):
+                end = tf.timestamp()
+            self.recorder.add(self.replica, action, self._start, end)
+
+    def _scaled(self, tensor):
+        optimizer = getattr(self.model, "optimizer", None)
+        return optimizer.scale_loss(tensor) if optimizer is not None else tensor
+
+    def _stage(self, action, x, rerun=False):
+        """Runs stage s on x. Returns (output for the next stage, differentiable targets)."""
+        s, m = action.stage, action.micro_batch
+        y = self.program.run(s, x, training=True)
+        aux = self.program.call_losses(s) if not self.custom_loss else []
+        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32)  # pylint: disable=protected-access
+               * (1.0 / self.schedule.num_micro_batches) for l in aux]
+        if s < self.schedule.num_stages - 1:
+            if not rerun:
+                self.losses.extend(aux)
+            return y, [y] + aux
+        if not rerun:
+            self.outputs[m] = y
+        loss = self._loss(m, y)
+        total = tf.add_n([loss] + aux) if aux else loss
+        if total is None:
+            raise ValueError(
+                "No loss to compute. Provide a `loss` argument in `compile()`.")
+        if not rerun:
+            self.losses.append(total)
+        return None, [total]
+
+    def _loss(self, m, y_pred):
+        model = self.model
+        if self.custom_loss:
+            loss = model._compute_loss(  # pylint: disable=protected-access
+                x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
+                sample_weight=self.weight_parts[m], training=True)
+            factor = 1.0 / self.schedule.num_micro_batches
+        elif getattr(model, "_compile_loss", None) is not None:
+            loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])  # pylint: disable=protected-access
+            factor = loss_factor(model, self.schedule.num_micro_batches)
+        else:
+            return None
+        return None if loss is None else tf.cast(loss, tf.float32) * factor
+
+    def _variables(self, s):
+        if self.custom_loss and s == self.schedule.num_stages - 1:
+            # A custom compute_loss may read any variable (e.g. self.losses).
+            return list(self.model.trainable_weights)
+        return list(self.program.stages[s].trainable_variables)
+
+    def _forward(self, action):
+        s, m = action.stage, action.micro_batch
+        with self._in_order(action):
+            x = _anchor(self.inputs[s][m])
+            if self.remat:
+                states = [(v, tf.identity(v.value)) for v in self.program.stages[s].seed_variables]
+                y, targets = self._stage(action, x)
+                self.kept[s][m] = (x, states)
+            else:
+                tape = tf.GradientTape()
+                with tape:
+                    tape.watch(_floats(x))
+                    y, targets = self._stage(action, x)
+                self.kept[s][m] = (tape, x, targets)
+        self._done(action, _tensors(targets))
+        if y is not None:
+            self.inputs[s + 1][m] = y
+
+    def _backward(self, action):
+        import keras
+
+        s, m = action.stage, action.micro_batch
+        last = s == self.schedule.num_stages - 1
+        done = []
+        with self._in_order(action):
+            upstream = None if last else self.upstream[s][m]
+            if last or upstream is not None:
+                upstream = None if last else _anchor(upstream)
+                if self.remat:
+                    x, states = self.kept[s][m]
+                    x = _anchor(x)  # The rerun starts now, not as soon as x exists.
+                    tape = tf.GradientTape()
+                    with tape, keras.StatelessScope(state_mapping=states, collect_losses=True):
+                        tape.watch(_floats(x))
+                        _, targets = self._stage(action, x, rerun=True)
+                else:
+                    tape, x, targets = self.kept[s][m]
+                seeds = [self._scaled(tf.ones_like(t)) for t in targets]
+                if not last:
+                    seeds[0] = upstream
+                inputs = _floats(x) if s > 0 else []
+                variables = self._variables(s)
+                grads = tape.gradient(targets, inputs + variables, output_gradients=seeds)
+                if s > 0:
+                    self.upstream[s - 1][m] = grads[0] if inputs else None
+                    done += [g for g in grads[:len(inputs)] if g is not None]
+                done += self._add(variables, grads[len(inputs):])
+            self.kept[s][m] = None
+            if action == self.last_action[s]:
+                done += self._regularize(s)
+        self._done(action, _tensors(done))
+
+    def _add(self, variables, grads):
+        changed = []
+        for variable, grad in zip(variables, grads):
+            if grad is not None:
+                total = _accumulate(self.grads.get(id(variable)), grad)
+                self.grads[id(variable)] = total
+                changed.append(total)
+        return changed
+
+    def _regularize(self, s):
+        """Adds the weight-regularizer losses of stage s's layers, once per step."""
+        if self.custom_loss:
+            return []  # A custom compute_loss adds self.losses itself.
+        with tf.GradientTape() as tape:
+            losses = self.program.regularization_losses(s)
+            if not losses:
+                return []
+            total = tf.add_n([tf.cast(self.model._aggregate_additional_loss(l), tf.float32)  # pylint: disable=protected-access
+                              for l in losses])
+        variables = self._variables(s)
+        grads = tape.gradient(self._scaled(total), variables)
+        self.losses.append(total)
+        return self._add(variables, grads)
+
+
+def forward(program, devices, num_micro_batches, inputs, training):
+    """The model's outputs, computed by micro-batches flowing through the stages.
+
+    Each stage runs its micro-batches in order on its device. Under a gradient tape
+    (a custom training loop) every stage call is a `placed_call`, so its backward
+    runs on its device too. Micro-batches may differ in size by one example unless
+    `training`.
+    """
+    parts = split_batch(program.standardize(inputs), num_micro_batches, exact=bool(training))
+    taped = record.could_possibly_record()
+    after = [[] for _ in program.stages]
+    outputs = []
+    with tf.name_scope("pipeline_forward"):
+        for x in parts:
+            for s, device in enumerate(devices):
+                with tf.device(device), tf.control_dependencies(after[s]):
+                    x = _anchor(x)
+                    if taped:
+                        x = placed_call(program.run, device, s, x, training)
+                    else:
+                        x = program.run(s, x, training)
+                after[s] = _tensors(x)
+            outputs.append(x)
+    with tf.device(devices[-1]):
+        return concat_batch(outputs)
+
+
+def step_devices(grid, replica):
+    """The stage devices of pipeline replica `replica` (None: outside a replica: 0)."""
+    return grid[replica or 0]

@@ -1,0 +1,217 @@
+"""A Keras model cut into pipeline stages: which layer calls each stage runs.
+
+Sequential and functional models are graphs of layer calls (Keras `Node`s). The
+calls are taken in an order where each comes after those it reads from, and cut
+into contiguous stages with `tfpar.plan.stages`: where the user put
+`tfpar.layers.StageBoundary` markers, or else into groups of about equal
+parameter count. A stage may only start where exactly one tensor crosses from
+the earlier calls, so that a stage passes one tensor to the next. A stage runs
+its calls like Keras' `Functional.call` does, from a dict of computed tensors.
+
+Nested models are one call each: they are not cut. Subclassed models have no
+graph to cut and are refused.
+"""
+
+import dataclasses
+
+from tfpar.errors import PlacementError
+from tfpar.plan import stages as stages_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage: its layer calls and the variables it reads, places and regularizes."""
+
+    index: int
+    nodes: tuple  # Keras Nodes, in run order.
+    input_tensor: object  # The KerasTensor flowing in; None for stage 0.
+    output_tensor: object  # The KerasTensor flowing out; None for the last stage.
+    layers: tuple  # The distinct layers the nodes call.
+    trainable_variables: tuple  # Keras variables whose gradients the stage computes.
+    placed_variables: tuple  # Variables that live on the stage's device (first use).
+    regularized_layers: tuple  # Layers whose weight regularizers the stage adds.
+    seed_variables: tuple  # Random-generator states (replayed under rematerialization).
+
+    @property
+    def layer_names(self):
+        """The names of the layers the stage calls, in order."""
+        return [node.operation.name for node in self.nodes]
+
+
+class StageProgram:
+    """A model's stages, and how to run one of them."""
+
+    def __init__(self, graph, stages):
+        self.graph = graph  # The keras Functional the nodes belong to.
+        self.stages = tuple(stages)
+
+    @property
+    def num_stages(self):
+        return len(self.stages)
+
+    @property
+    def trainable_variables(self):
+        seen, result = set(), []
+        for stage in self.stages:
+            for variable in stage.trainable_variables:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    result.append(variable)
+        return result
+
+    def standardize(self, inputs):
+        """The model's inputs as the flat list stage 0 takes (like Functional.call)."""
+        return list(self.graph._standardize_inputs(inputs))  # pylint: disable=protected-access
+
+    def run(self, index, inputs, training):
+        """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
+
+        Returns the tensor passed to the next stage, or the model's outputs.
+        """
+        from keras.src import tree
+        from keras.src.models.functional import operation_fn, unpack_singleton
+
+        stage, graph = self.stages[index], self.graph
+        if index == 0:
+            values = {id(t): x for t, x in zip(graph.inputs, inputs)}
+        else:
+            values = {id(stage.input_tensor): inputs}
+        for node in stage.nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
+            for tensor, value in zip(node.outputs, tree.flatten(outputs)):
+                values[id(tensor)] = value
+        if stage.output_tensor is not None:
+            return values[id(stage.output_tensor)]
+        outputs = [values[id(t)] for t in graph.outputs]
+        return unpack_singleton(tree.pack_sequence_as(graph._outputs_struct, outputs))  # pylint: disable=protected-access
+
+    def call_losses(self, index):
+        """Losses the stage's layers added while they last ran (`add_loss`, activity
+        regularizers)."""
+        losses, seen = [], set()
+        for layer in self.stages[index].layers:
+            for sub in layer._flatten_layers():  # pylint: disable=protected-access
+                for loss in sub._get_own_losses():  # pylint: disable=protected-access
+                    if id(loss) not in seen:
+                        seen.add(id(loss))
+                        losses.append(loss)
+        return losses
+
+    def regularization_losses(self, index):
+        """The weight-regularizer losses of the layers the stage owns."""
+        return [loss for layer in self.stages[index].regularized_layers
+                for loss in layer._get_regularization_losses()]  # pylint: disable=protected-access
+
+
+def functional_graph(model):
+    """The keras Functional that runs `model`; PlacementError for models without one."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    if isinstance(model, keras.Sequential):
+        graph = getattr(model, "_functional", None)
+        if graph is None:
+            raise PlacementError(
+                f"Sequential model {model.name!r} has no layer graph to cut into pipeline "
+                f"stages (its layers could not be traced symbolically). Give it a "
+                f"keras.Input, or build it on a batch first.")
+        return graph
+    if isinstance(model, Functional):
+        return model
+    raise PlacementError(
+        f"PipelineStrategy cuts Sequential and functional models into stages, but "
+        f"{model.name!r} is a subclassed model ({type(model).__name__}) whose call() it "
+        f"cannot see into. Write it as a Sequential or functional model (nested "
+        f"subclassed layers are fine), or use tfpar.ModelParallelStrategy.")
+
+
+def _ordered_nodes(graph):
+    nodes_by_depth = graph._nodes_by_depth  # pylint: disable=protected-access
+    return [node for depth in sorted(nodes_by_depth, reverse=True)
+            for node in nodes_by_depth[depth] if node.operation is not None and not node.is_input]
+
+
+def _params(operation, seen):
+    if id(operation) in seen:
+        return 0
+    seen.add(id(operation))
+    return sum(int(_size(w)) for w in getattr(operation, "trainable_weights", ()))
+
+
+def _size(variable):
+    size = 1
+    for d in variable.shape:
+        size *= int(d)
+    return size
+
+
+def _producer_name(tensor):
+    history = getattr(tensor, "_keras_history", None)
+    return history.operation.name if history is not None else getattr(tensor, "name", "?")
+
+
+def build_program(model, num_stages):
+    """Cuts a built Sequential or functional `model` into `num_stages` stages."""
+    from tfpar.layers.stage_boundary import StageBoundary
+
+    graph = functional_graph(model)
+    nodes = _ordered_nodes(graph)
+    names = [f"layer {node.operation.name!r}" for node in nodes]
+    tensors = {id(t): t for node in nodes for t in list(node.input_tensors) + list(node.outputs)}
+    tensors.update({id(t): t for t in graph.inputs})
+    crossing = stages_plan.crossing_tensors(
+        [[id(t) for t in node.input_tensors] for node in nodes],
+        [[id(t) for t in node.outputs] for node in nodes],
+        [id(t) for t in graph.inputs], [id(t) for t in graph.outputs])
+    cuts = [i for i in range(1, len(nodes)) if len(crossing[i - 1]) == 1]
+    boundaries = [i for i, node in enumerate(nodes) if isinstance(node.operation, StageBoundary)]
+    for i in boundaries:
+        if i == 0:
+            raise PlacementError(
+                f"StageBoundary {nodes[i].operation.name!r} is the model's first layer: a "
+                f"marker starts a new stage, so it must come after at least one layer.")
+        if i not in cuts:
+            crossers = ", ".join(sorted({_producer_name(tensors[t]) for t in crossing[i - 1]}))
+            raise PlacementError(
+                f"StageBoundary {nodes[i].operation.name!r} cannot start a stage: "
+                f"{len(crossing[i - 1])} tensors cross there (outputs of {crossers}), but a "
+                f"pipeline passes exactly one tensor from a stage to the next. Move the marker "
+                f"to a point where a single tensor flows, e.g. after the layer that joins "
+                f"the branches.")
+    seen = set()
+    costs = [_params(node.operation, seen) for node in nodes]
+    if not any(costs):
+        costs = [1] * len(nodes)
+    ranges = stages_plan.stage_ranges(costs, num_stages, cuts, boundaries, names)
+
+    stages, placed, owned_layers = [], set(), set()
+    for index, (start, stop) in enumerate(ranges):
+        stage_nodes = tuple(nodes[start:stop])
+        layers = _distinct(node.operation for node in stage_nodes
+                           if hasattr(node.operation, "variables"))
+        trainable = _distinct(v for layer in layers for v in layer.trainable_variables)
+        own_variables = [v for layer in layers for v in layer.variables if id(v) not in placed]
+        placed.update(id(v) for v in own_variables)
+        regularized = [layer for layer in layers if id(layer) not in owned_layers]
+        owned_layers.update(id(layer) for layer in layers)
+        seeds = _distinct(sg.state for layer in layers
+                          for sub in layer._flatten_layers()  # pylint: disable=protected-access
+                          for sg in getattr(sub, "_seed_generators", ()))
+        stages.append(Stage(
+            index=index, nodes=stage_nodes,
+            input_tensor=tensors[crossing[start - 1][0]] if start > 0 else None,
+            output_tensor=tensors[crossing[stop - 1][0]] if stop < len(nodes) else None,
+            layers=layers, trainable_variables=trainable,
+            placed_variables=tuple(_distinct(own_variables)), regularized_layers=tuple(regularized),
+            seed_variables=seeds))
+    return StageProgram(graph, stages)
+
+
+def _distinct(items):
+    seen, result = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            result.append(item)
+    return tuple(result)

@@ -1,0 +1,97 @@
+"""A measured pipeline step as a Chrome trace (JSON) and as a timeline picture (PNG).
+
+Spans are `(label, device_row, start_seconds, end_seconds)`; rows are devices
+(one per pipeline replica and stage). The JSON opens in chrome://tracing or
+Perfetto; the picture is drawn with Pillow (which TensorBoard already installs).
+"""
+
+import json
+
+_FORWARD_COLOR = (66, 122, 183)
+_BACKWARD_COLOR = (230, 140, 50)
+_OTHER_COLOR = (120, 120, 120)
+
+
+def chrome_events(spans, row_names):
+    """Chrome trace events ("X" complete events, microseconds from the first start)."""
+    origin = min(start for _, _, start, _ in spans)
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": row,
+               "args": {"name": name}} for row, name in enumerate(row_names)]
+    for label, row, start, end in spans:
+        events.append({"name": label, "cat": "pipeline", "ph": "X", "pid": 0, "tid": row,
+                       "ts": round((start - origin) * 1e6, 3),
+                       "dur": round((end - start) * 1e6, 3), "args": {"device": row_names[row]}})
+    return events
+
+
+def write_chrome_trace(path, spans, row_names, metadata=None):
+    """Writes `{"traceEvents": [...]}` to `path`; returns the events."""
+    events = chrome_events(spans, row_names)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                   "otherData": dict(metadata or {})}, f, indent=1)
+    return events
+
+
+def _font(size):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: one bitmap size.
+        return ImageFont.load_default()
+
+
+def _tick_step(total_ms):
+    for step in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000):
+        if total_ms / step <= 12:
+            return step
+    return 10000
+
+
+def draw_timeline(path, spans, row_names, title, width=1400):
+    """Draws one box per span, a row per device, time on the x axis (ms); saves a PNG."""
+    from PIL import Image, ImageDraw
+
+    origin = min(start for _, _, start, _ in spans)
+    total_ms = max((end - origin) * 1e3 for _, _, _, end in spans) or 1.0
+    left, right, top, row_height, gap = 190, 30, 58, 44, 8
+    height = top + len(row_names) * row_height + 50
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    font, small = _font(14), _font(11)
+    draw.text((left, 14), title, fill="black", font=font)
+    scale = (width - left - right) / total_ms
+
+    def x_of(ms):
+        return left + ms * scale
+
+    step = _tick_step(total_ms)
+    tick = 0.0
+    bottom = top + len(row_names) * row_height
+    while tick <= total_ms + 1e-9:
+        x = x_of(tick)
+        draw.line([(x, top - 4), (x, bottom)], fill=(225, 225, 225))
+        draw.text((x - 10, bottom + 6), f"{tick:g}", fill="black", font=small)
+        tick += step
+    draw.text((width - right - 60, bottom + 24), "time (ms)", fill="black", font=small)
+    for row, name in enumerate(row_names):
+        y = top + row * row_height
+        draw.text((10, y + row_height / 2 - 8), name, fill="black", font=small)
+    for label, row, start, end in spans:
+        y0 = top + row * row_height + gap / 2
+        x0, x1 = x_of((start - origin) * 1e3), x_of((end - origin) * 1e3)
+        kind = "F" if "F" in label else "B" if "B" in label else ""
+        color = {"F": _FORWARD_COLOR, "B": _BACKWARD_COLOR}.get(kind, _OTHER_COLOR)
+        draw.rectangle([x0, y0, max(x1, x0 + 1), y0 + row_height - gap], fill=color,
+                       outline="white")
+        if x1 - x0 > 8 * len(label):
+            draw.text((x0 + 3, y0 + row_height / 2 - 10), label, fill="white", font=small)
+    legend_y = top - 22
+    for i, (name, color) in enumerate((("forward", _FORWARD_COLOR),
+                                       ("backward", _BACKWARD_COLOR))):
+        x = width - right - 200 + i * 100
+        draw.rectangle([x, legend_y, x + 14, legend_y + 12], fill=color)
+        draw.text((x + 18, legend_y - 1), name, fill="black", font=small)
+    image.save(path)
+    return path
