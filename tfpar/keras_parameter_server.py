@@ -71,7 +71,9 @@ def _dispatch(keras_method, loop):
     @functools.wraps(keras_method)
     def method(self, *args, **kwargs):
         if _uses_parameter_servers(self.distribute_strategy):
-            return loop(self, *args, **kwargs)
+            # The chief also reads and resets ps variables itself (metrics, steps).
+            with self.distribute_strategy.ps_failures_explained():
+                return loop(self, *args, **kwargs)
         return keras_method(self, *args, **kwargs)
     return method
 

@@ -106,24 +106,24 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         `dataset` is a `tf.data.Dataset`, or a function returning one that is traced
         and built on each worker (so the input pipeline runs there).
         """
-        with self._translated_errors():
+        with self.ps_failures_explained():
             return iter(self.coordinator.create_per_worker_dataset(dataset))
 
     def schedule_steps(self, step_fn, iterator, num_steps):
         """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure."""
         steps = self._step_function(step_fn, "iterator")
-        with self._translated_errors():
+        with self.ps_failures_explained():
             return self.coordinator.schedule(steps, args=(iterator, tf.constant(num_steps)))
 
     def schedule_on(self, step_fn, *args):
         """Schedules `step_fn(*args)` on a free worker; `args` are sent from the chief."""
         run = self._step_function(step_fn, "args")
-        with self._translated_errors():
+        with self.ps_failures_explained():
             return self.coordinator.schedule(run, args=args)
 
     def join(self):
         """Waits for every scheduled closure; a lost ps raises ClusterError."""
-        with self._translated_errors():
+        with self.ps_failures_explained():
             self.coordinator.join()
 
     def _step_function(self, step_fn, kind):
@@ -143,7 +143,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
             self._step_functions[key] = fn
         return self._step_functions[key]
 
-    def _translated_errors(self):
+    def ps_failures_explained(self):
+        """A context in which a lost ps raises ClusterError, which says what to do."""
         return _PSFailure(self.cluster_config)
 
 
@@ -157,9 +158,13 @@ class _PSFailure:
         return self
 
     def __exit__(self, kind, error, traceback):
-        if error is None or not isinstance(error, tf.errors.UnavailableError):
+        if error is None or not isinstance(error, tf.errors.OpError):
             return False
-        is_ps = isinstance(error, cluster_coordinator.PSUnavailableError) or "/job:ps" in str(error)
+        # The coordinator says PSUnavailableError; the chief's own reads of a lost ps
+        # fail with various errors that name the ps job or its address.
+        text = str(error)
+        is_ps = (isinstance(error, cluster_coordinator.PSUnavailableError) or "/job:ps" in text
+                 or any(address in text for address in self._config.cluster["ps"]))
         if not is_ps:
             return False
         ps = ", ".join(f"ps:{i} ({a})" for i, a in enumerate(self._config.cluster["ps"]))
