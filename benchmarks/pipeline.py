@@ -1,21 +1,28 @@
 """PipelineStrategy on 2 logical CPUs: micro-batches against plain layer placement.
 
-One MLP (Keras train step, SGD) trained side by side in one process, on 2 logical
-CPUs limited to one core each:
+One MLP (the Keras train step, SGD) trained side by side, on 2 logical CPUs:
 
 - one device: the whole model on /cpu:0 (stock OneDeviceStrategy);
-- K=2 M=1: the model cut into 2 stages, the batch in one piece (plain layer placement:
-  the two devices take turns);
+- K=2 M=1: the model cut into 2 stages, the batch in one piece (plain layer
+  placement: the two devices take turns);
 - K=2 M=8, GPipe and 1F1B: the batch in 8 micro-batches of 512 rows (the size at
   which single-thread matmuls are efficient here) flowing through the 2 stages.
 
-Candidates alternate round by round (drift on the shared machine hits all alike);
-step times are medians. The pipeline's speedup over K=2 M=1 is compared with the
-bound 2M/(M+1) (the bubble of a 2-stage pipeline). Peak memory is TensorFlow's CPU
-allocator peak during one step, above what was allocated before it (the logical
-CPUs share one allocator), next to the schedule's estimate of the activations a
-stage keeps. Also writes a Chrome trace and a picture of one real GPipe step and
-one 1F1B step.
+"One core per logical CPU": TensorFlow has one pool of inter-op threads for all
+CPU devices, and with 2 threads it runs a backward pass's weight-gradient and
+input-gradient matmuls at once even on one device. So the two baselines are also
+measured as the bound 2M/(M+1) assumes them, in a second process that runs one op
+at a time (inter-op 1; K=2 M=1 then runs each device on one core in turn). Both
+processes run one thread per op, and take turns round by round (drift on the
+shared machine hits all candidates alike); step times are medians. A forward pass
+alone (prediction), a chain of matmuls that uses one thread per device anyway, is
+timed too.
+
+Also measured: the cores busy in a step (TensorFlow profiler: op time / step
+time); peak memory (TensorFlow's CPU allocator peak during one step above its level
+before it; the logical CPUs share one allocator), next to the schedule's estimate
+of the activations a stage keeps; and a Chrome trace plus picture of one profiled
+GPipe step and one 1F1B step.
 
     python benchmarks/pipeline.py [--micro_batch 512] [--num_micro_batches 8] [--rounds 5]
 
@@ -23,15 +30,20 @@ Prints a table and writes JSON (default benchmarks/results/pipeline.json).
 """
 
 import argparse
+import multiprocessing
 import os
 import platform
+import shutil
 import statistics
+import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from _common import add_common_args, batch, command_line, time_rounds, write_json  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEVICES = ["/cpu:0", "/cpu:1"]
 
 
 def parse_args():
@@ -59,8 +71,8 @@ def make_model(args):
     return model
 
 
-def make_step(strategy, model, data):
-    """One compiled Keras train step of `model` on a fixed batch, as fit runs it."""
+def make_step(strategy, model, data, steps):
+    """`steps` compiled Keras train steps of `model` on a fixed batch, as fit runs them."""
     import tensorflow as tf
 
     iterator = iter(strategy.experimental_distribute_dataset(
@@ -71,8 +83,82 @@ def make_step(strategy, model, data):
         logs = strategy.run(model.train_step, args=(next(iterator),))
         return strategy.experimental_local_results(logs["loss"])[0]
 
-    step()  # trace, place and warm up
-    return lambda: float(step())
+    for _ in range(3):  # trace, place, and let the allocator reach its steady state
+        step()
+    return lambda: [float(step()) for _ in range(steps)]
+
+
+def make_forward(model, x, steps):
+    """`steps` compiled forward passes (prediction) of `model` on a fixed batch."""
+    import tensorflow as tf
+
+    with tf.device(DEVICES[0]):
+        x = tf.constant(x)
+    forward = tf.function(lambda: model(x, training=False))
+    for _ in range(3):
+        forward()
+    return lambda: [forward().numpy() for _ in range(steps)]
+
+
+def build(candidates, args, data):
+    """{name: (strategy, model, step)} for {name: strategy factory}."""
+    built = {}
+    for name, make in candidates.items():
+        strategy = make()
+        with strategy.scope():
+            model = make_model(args)
+        built[name] = (strategy, model, make_step(strategy, model, data, args.steps))
+    return built
+
+
+def one_core_worker(connection, args):
+    """The baselines as 2M/(M+1) assumes them: one op at a time in this process."""
+    import tfpar
+
+    tfpar.virtual_cpus(2, one_core_each=True)
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    data = batch(args.num_micro_batches * args.micro_batch, args.width)
+    built = build({
+        "one device, 1 core": lambda: tf.distribute.OneDeviceStrategy(DEVICES[0]),
+        "K=2 M=1, 1 core per device": lambda: tfpar.PipelineStrategy(DEVICES,
+                                                                     num_micro_batches=1),
+    }, args, data)
+    connection.send("ready")
+    while connection.recv() == "round":
+        connection.send(time_rounds({n: b[2] for n, b in built.items()}, 1, args.steps))
+
+
+def profiled_cores(run):
+    """Cores computing during a call of `run` (and the seconds of op time in it).
+
+    From TensorFlow's profiler: on each compute thread, the time covered by ops.
+    """
+    import tensorflow as tf
+
+    from tfpar.distribute.pipeline_trace import profiled_ops
+
+    logdir = tempfile.mkdtemp(prefix="tfpar_bench_")
+    try:
+        tf.profiler.experimental.start(logdir)
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+        tf.profiler.experimental.stop()
+        by_thread = {}
+        for _, _, begin, end, thread in profiled_ops(logdir):
+            if thread.startswith("tf_Compute"):
+                by_thread.setdefault(thread, []).append((begin, end))
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    busy = 0.0
+    for spans in by_thread.values():  # The union of each thread's op intervals.
+        covered_to = float("-inf")
+        for begin, end in sorted(spans):
+            busy += max(0.0, end - max(begin, covered_to))
+            covered_to = max(covered_to, end)
+    return busy / wall, busy
 
 
 def peak_bytes(step):
@@ -87,6 +173,10 @@ def peak_bytes(step):
 
 def main():
     args = parse_args()
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    worker = context.Process(target=one_core_worker, args=(child, args), daemon=True)
+    worker.start()
     import tfpar
 
     tfpar.virtual_cpus(2, one_core_each=True)
@@ -97,64 +187,97 @@ def main():
     m = args.num_micro_batches
     global_batch = m * args.micro_batch
     data = batch(global_batch, args.width)
-    devices = ["/cpu:0", "/cpu:1"]
+    gpipe, one_f_one_b, m1 = f"K=2 M={m} GPipe", f"K=2 M={m} 1F1B", "K=2 M=1"
     candidates = {
-        "one device": lambda: tf.distribute.OneDeviceStrategy(devices[0]),
-        "K=2 M=1": lambda: tfpar.PipelineStrategy(devices, num_micro_batches=1),
-        f"K=2 M={m} GPipe": lambda: tfpar.PipelineStrategy(devices, num_micro_batches=m),
-        f"K=2 M={m} 1F1B": lambda: tfpar.PipelineStrategy(devices, num_micro_batches=m,
-                                                           schedule="1f1b"),
+        "one device": lambda: tf.distribute.OneDeviceStrategy(DEVICES[0]),
+        m1: lambda: tfpar.PipelineStrategy(DEVICES, num_micro_batches=1),
+        gpipe: lambda: tfpar.PipelineStrategy(DEVICES, num_micro_batches=m),
+        one_f_one_b: lambda: tfpar.PipelineStrategy(DEVICES, num_micro_batches=m,
+                                                    schedule="1f1b"),
     }
     if args.remat:
         candidates[f"K=2 M={m} GPipe remat"] = lambda: tfpar.PipelineStrategy(
-            devices, num_micro_batches=m, remat=True)
-    runners, strategies, models = {}, {}, {}
-    for name, make in candidates.items():
-        strategies[name] = make()
-        with strategies[name].scope():
-            models[name] = make_model(args)
-        runners[name] = make_step(strategies[name], models[name], data)
-    times = time_rounds(runners, args.rounds, args.steps)
-    peaks = {name: peak_bytes(run) for name, run in runners.items()}
+            DEVICES, num_micro_batches=m, remat=True)
+    built = build(candidates, args, data)
+    forwards = {name: make_forward(built[name][1], data[0], args.steps)
+                for name in ("one device", m1, gpipe)}
+    assert parent.recv() == "ready"
+
+    times = {name: [] for name in list(built) + ["one device, 1 core",
+                                                 "K=2 M=1, 1 core per device"]}
+    forward_times = {name: [] for name in forwards}
+    for _ in range(args.rounds):
+        for name, seconds in time_rounds({n: b[2] for n, b in built.items()}, 1,
+                                         args.steps).items():
+            times[name] += seconds
+        parent.send("round")
+        for name, seconds in parent.recv().items():
+            times[name] += seconds
+        for name, seconds in time_rounds(forwards, 1, args.steps).items():
+            forward_times[name] += seconds
+    parent.send("stop")
+    worker.join(timeout=60)
 
     step = {name: statistics.median(t) for name, t in times.items()}
-    gpipe, one_f_one_b = f"K=2 M={m} GPipe", f"K=2 M={m} 1F1B"
+    forward = {name: statistics.median(t) for name, t in forward_times.items()}
+    cores = {name: profiled_cores(b[2]) for name, b in built.items()}
+    peaks = {name: peak_bytes(b[2]) for name, b in built.items()}
     bound = 2 * m / (m + 1)
-    speedup = step["K=2 M=1"] / step[gpipe]
-    rows = {name: {"step_ms": round(seconds * 1000, 1),
-                   "samples_per_s": round(global_batch / seconds, 1),
-                   "speedup_vs_one_device": round(step["one device"] / seconds, 3),
-                   "speedup_vs_K2_M1": round(step["K=2 M=1"] / seconds, 3),
-                   "peak_MiB": round(peaks[name] / 2**20, 1)}
-            for name, seconds in step.items()}
-    stages = strategies[gpipe].stages(models[gpipe])
+    strategy, model = built[gpipe][0], built[gpipe][1]
+    stages = strategy.stages(model)
     # Activations a stage keeps per micro-batch: each Dense layer's output (its
     # backward needs it), micro_batch x width floats.
     per_micro_batch = [len(s) * args.micro_batch * args.width * 4 for s in stages]
-    estimate = {
-        name: [n * b for n, b in zip(max_in_flight(strategies[name].schedule), per_micro_batch)]
-        for name in (gpipe, one_f_one_b)}
+    estimate = {name: [round(n * b / 2**20, 1) for n, b in
+                       zip(max_in_flight(built[name][0].schedule), per_micro_batch)]
+                for name in (gpipe, one_f_one_b)}
     traces = {}
-    for name, path in ((gpipe, args.trace), (one_f_one_b, args.trace.replace(".json", "_1f1b.json"))):
-        strategies[name].trace(path, models[name], *data)
+    for name, path in ((gpipe, args.trace),
+                       (one_f_one_b, args.trace.replace(".json", "_1f1b.json"))):
+        built[name][0].trace(path, built[name][1], *data)
         traces[name] = {"json": os.path.relpath(path), "png": os.path.relpath(path[:-5] + ".png")}
 
+    def speedup(baseline, candidate=gpipe, table=step):
+        return round(table[baseline] / table[candidate], 3)
+
+    rows = {name: {"step_ms": round(seconds * 1000, 1),
+                   "samples_per_s": round(global_batch / seconds, 1),
+                   "speedup_vs_one_device_1_core": speedup("one device, 1 core", name),
+                   "speedup_vs_K2_M1_1_core_per_device": speedup("K=2 M=1, 1 core per device",
+                                                                 name)}
+            for name, seconds in step.items()}
+    for name in built:
+        rows[name]["cores_busy"] = round(cores[name][0], 2)
+        rows[name]["peak_MiB"] = round(peaks[name] / 2**20, 1)
     params = 4 * ((args.layers * (args.width + 1) * args.width) + (args.width + 1) * 10)
     result = {
         "benchmark": "pipeline",
         "command": command_line("pipeline", args).replace(f" --trace={args.trace}", ""),
         "model": f"MLP {args.layers}x{args.width} + 10-way head, "
                  f"{params / 2**20:.1f} MiB of weights, SGD, Keras train step",
-        "devices": "2 logical CPUs, one core each (intra-op 1, inter-op 2)",
-        "global_batch": global_batch, "micro_batch": args.micro_batch,
-        "stages": stages,
+        "devices": "2 logical CPUs, one thread per op (intra-op 1); inter-op 2, and 1 for "
+                   "the '1 core' baselines",
+        "global_batch": global_batch, "micro_batch": args.micro_batch, "stages": stages,
         "bound_2M_over_M_plus_1": round(bound, 3),
-        "speedup_M8_vs_M1": round(speedup, 3),
-        "fraction_of_bound": round(speedup / bound, 3),
-        "speedup_M8_vs_one_device": round(step["one device"] / step[gpipe], 3),
-        "estimated_activation_MiB_per_stage": {
-            name: [round(b / 2**20, 1) for b in v] for name, v in estimate.items()},
-        "schedule": {name: strategies[name].schedule_table() for name in (gpipe, one_f_one_b)},
+        "train": {
+            "speedup_M8_vs_M1_1_core_per_device": speedup("K=2 M=1, 1 core per device"),
+            "fraction_of_bound": round(speedup("K=2 M=1, 1 core per device") / bound, 3),
+            "speedup_M8_vs_M1_same_threads": speedup(m1),
+            "speedup_M8_vs_one_device_1_core": speedup("one device, 1 core"),
+            "speedup_M8_vs_one_device": speedup("one device"),
+            "1F1B_vs_GPipe_step_time": round(step[one_f_one_b] / step[gpipe], 3),
+        },
+        "forward": {
+            "step_ms": {name: round(s * 1000, 1) for name, s in forward.items()},
+            "speedup_M8_vs_M1": speedup(m1, gpipe, forward),
+            "fraction_of_bound": round(speedup(m1, gpipe, forward) / bound, 3),
+            "speedup_M8_vs_one_device": speedup("one device", gpipe, forward),
+        },
+        "memory": {
+            "peak_MiB": {name: rows[name]["peak_MiB"] for name in (gpipe, one_f_one_b)},
+            "estimated_activation_MiB_per_stage": estimate,
+        },
+        "schedule": {name: built[name][0].schedule_table() for name in (gpipe, one_f_one_b)},
         "traces": traces,
         "tensorflow": tf.__version__, "host": platform.node(), "rows": rows,
         "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()},
@@ -162,17 +285,22 @@ def main():
     print(f"{result['model']}, batch {global_batch} ({m} x {args.micro_batch}), "
           f"{result['devices']}, median of {args.rounds} rounds x {args.steps} steps")
     print(f"stages: {stages}")
-    print(f"{'candidate':24s} {'step ms':>9s} {'samples/s':>10s} {'vs 1 dev':>9s} "
-          f"{'vs M=1':>7s} {'peak MiB':>9s}")
+    print(f"{'train step':28s} {'ms':>8s} {'samples/s':>10s} {'vs 1dev1c':>10s} "
+          f"{'vs M1 1c':>9s} {'cores':>6s} {'peak MiB':>9s}")
     for name, row in rows.items():
-        print(f"{name:24s} {row['step_ms']:9.1f} {row['samples_per_s']:10.0f} "
-              f"{row['speedup_vs_one_device']:9.3f} {row['speedup_vs_K2_M1']:7.3f} "
-              f"{row['peak_MiB']:9.1f}")
-    print(f"M={m} vs M=1: {speedup:.3f}x; bound 2M/(M+1) = {bound:.3f}; "
-          f"{100 * speedup / bound:.1f}% of the bound")
-    print("estimated activations kept per stage (MiB):",
-          result["estimated_activation_MiB_per_stage"])
-    print(strategies[gpipe].schedule_table())
+        print(f"{name:28s} {row['step_ms']:8.1f} {row['samples_per_s']:10.0f} "
+              f"{row['speedup_vs_one_device_1_core']:10.3f} "
+              f"{row['speedup_vs_K2_M1_1_core_per_device']:9.3f} "
+              f"{row.get('cores_busy', 1.0):6.2f} {row.get('peak_MiB', float('nan')):9.1f}")
+    train = result["train"]
+    print(f"train: M={m} vs M=1 (one core per device) {train['speedup_M8_vs_M1_1_core_per_device']}"
+          f"x = {100 * train['fraction_of_bound']:.1f}% of the bound {bound:.3f}; vs M=1 with "
+          f"the same threads {train['speedup_M8_vs_M1_same_threads']}x")
+    print(f"forward: {result['forward']['step_ms']} -> M={m} vs M=1 "
+          f"{result['forward']['speedup_M8_vs_M1']}x = "
+          f"{100 * result['forward']['fraction_of_bound']:.1f}% of the bound")
+    print("memory:", result["memory"])
+    print(built[gpipe][0].schedule_table())
     print("traces:", traces)
     write_json(args.out, result)
 

@@ -1,14 +1,16 @@
 """Strategy by name, for binaries and the launcher."""
 
-STRATEGIES = ("data", "ps")
+STRATEGIES = ("data", "ps", "pipeline")
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
-                  ps_mode="async"):
+                  ps_mode="async", pipeline=None):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
     "sync"); its devices are the cluster's, so `num_devices` does not apply.
+    "pipeline" is `PipelineStrategy` on one host; `pipeline` is a dict of its keyword
+    arguments (num_micro_batches, schedule, remat, num_replicas, num_stages).
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
     and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs
@@ -21,13 +23,23 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
         from tfpar.distribute.parameter_server import ParameterServerStrategy
 
         return ParameterServerStrategy(mode=ps_mode)
-    from tfpar import devices as devices_lib
+    if name == "pipeline":
+        from tfpar.distribute.pipeline import PipelineStrategy
+
+        return PipelineStrategy(_local_devices(num_devices), **(pipeline or {}))
     from tfpar.distribute.data_parallel import DataParallelStrategy
     from tfpar.distribute.multi_worker import cluster_worker_count
 
     if cluster_worker_count() > 1:  # TF_CONFIG names several workers
         return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds)
+    return DataParallelStrategy(devices=_local_devices(num_devices), communication=communication)
+
+
+def _local_devices(num_devices):
+    """The first `num_devices` devices of this host (logical CPUs made when there is no GPU)."""
     import tensorflow as tf
+
+    from tfpar import devices as devices_lib
 
     if num_devices is not None and not tf.config.list_physical_devices("GPU"):
         devices_lib.virtual_cpus(num_devices)
@@ -38,4 +50,4 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
                 f"num_devices={num_devices} but this host has {len(devices)} device(s) "
                 f"({', '.join(devices)}). Ask for between 1 and {len(devices)}.")
         devices = devices[:num_devices]
-    return DataParallelStrategy(devices=devices, communication=communication)
+    return devices

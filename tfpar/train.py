@@ -5,6 +5,7 @@ spirals dataset, printing Keras progress, then final loss, accuracy, samples/s.
 
     python -m tfpar.train --strategy=data --num_devices=4 --epochs=10 \
         --model_dir=/tmp/run --log_dir=/tmp/run/logs
+    python -m tfpar.train --strategy=pipeline --num_micro_batches=8 --schedule=1f1b
 """
 
 import os
@@ -37,6 +38,15 @@ flags.DEFINE_float("timeout_seconds", 60.0,
 flags.DEFINE_enum("ps_mode", "async", ("async", "sync"),
                   "For --strategy=ps: asynchronous updates, or one averaged update per batch.")
 flags.DEFINE_integer("verbose", 1, "Keras progress: 0 silent, 1 bar, 2 a line an epoch.")
+flags.DEFINE_integer("num_micro_batches", 4,
+                     "For --strategy=pipeline: micro-batches each batch is split into.")
+flags.DEFINE_enum("schedule", "gpipe", ("gpipe", "1f1b"), "For --strategy=pipeline: the schedule.")
+flags.DEFINE_integer("num_stages", None,
+                     "For --strategy=pipeline: stages (default num_devices / num_replicas).")
+flags.DEFINE_bool("remat", False,
+                  "For --strategy=pipeline: recompute activations in the backward pass.")
+flags.DEFINE_integer("num_replicas", 1,
+                     "For --strategy=pipeline: pipeline replicas (num_devices = replicas x stages).")
 
 
 def build_model(source, seed=0):
@@ -100,21 +110,32 @@ def callbacks_for(model_dir, log_dir):
 
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
-        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async"):
-    """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second."""
+        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None):
+    """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second.
+
+    `pipeline`: for strategy "pipeline", a dict of `PipelineStrategy` keyword arguments.
+    """
     from tfpar import data
 
     strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds,
-                                     ps_mode)
+                                     ps_mode, pipeline)
     import keras
 
     from tfpar.plan.batching import per_replica_batch_size
 
     per_replica_batch_size(batch_size, strategy.num_replicas_in_sync)
+    # A pipeline splits every training batch into equal micro-batches: the last,
+    # partial batch of an epoch is dropped.
+    drop_remainder = strategy_name == "pipeline"
+    if drop_remainder:
+        from tfpar.plan.stages import check_micro_batches
+
+        check_micro_batches(batch_size, strategy.num_micro_batches, strategy.num_replicas_in_sync)
     train = data.load(dataset, "train", data_dir, seed=seed)
     test = data.load(dataset, "test", data_dir, seed=seed)
     train_ds = (train.dataset.map(_as_float).cache()
-                .shuffle(min(train.num_examples, 10000), seed=seed).batch(batch_size).prefetch(2))
+                .shuffle(min(train.num_examples, 10000), seed=seed)
+                .batch(batch_size, drop_remainder=drop_remainder).prefetch(2))
     test_ds = test.dataset.map(_as_float).batch(batch_size)
     with strategy.scope():
         model = build_model(train, seed)
@@ -122,7 +143,8 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
             optimizer=keras.optimizers.Adam(learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"])
-    throughput = _throughput_callback(train.num_examples)
+    throughput = _throughput_callback(
+        train.num_examples - (train.num_examples % batch_size if drop_remainder else 0))
     model.fit(train_ds, epochs=epochs, validation_data=test_ds, verbose=verbose, shuffle=False,
               callbacks=callbacks_for(model_dir, log_dir) + [throughput])
     loss, accuracy = model.evaluate(test_ds, verbose=0)
@@ -155,6 +177,13 @@ def _peer_failure(error):
             f"--model_dir to resume from the last completed epoch.")
 
 
+def _pipeline_flags():
+    """PipelineStrategy's keyword arguments from the flags (used by --strategy=pipeline)."""
+    return {"num_micro_batches": FLAGS.num_micro_batches, "schedule": FLAGS.schedule,
+            "remat": FLAGS.remat, "num_replicas": FLAGS.num_replicas,
+            "num_stages": FLAGS.num_stages}
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -164,7 +193,7 @@ def main(argv):
         result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
                      FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
                      FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
-                     FLAGS.timeout_seconds, FLAGS.ps_mode)
+                     FLAGS.timeout_seconds, FLAGS.ps_mode, _pipeline_flags())
     except Exception as error:
         message = _peer_failure(error)
         if message is None:

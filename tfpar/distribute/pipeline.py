@@ -30,6 +30,9 @@ stages, without the schedule interleaving). BatchNorm computes its statistics pe
 micro-batch (as GPipe does); each micro-batch updates the moving statistics.
 """
 
+import dataclasses
+import shutil
+import tempfile
 import threading
 import types
 
@@ -50,7 +53,6 @@ from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.plan import schedule as schedule_lib
 from tfpar.plan.communication import select_communication
-from tfpar.plan.stages import check_micro_batches
 
 
 class PipelineStrategy(tf.distribute.MirroredStrategy):
@@ -107,7 +109,6 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
             list(devices) if devices is not None else devices_lib.default_devices())
         self._display = dict(zip(resolved, given))
         self._lock = threading.RLock()
-        self._recorder = None
         self._collective_key_base = group_keys.next_key_base()  # Read by MirroredExtended.
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
         keras_seam.install_model_call_hook()
@@ -153,13 +154,13 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         return [stage.layer_names for stage in model._tfpar_pipeline.stages]  # pylint: disable=protected-access
 
     def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1):
-        """Runs real training steps of `model` on one batch and writes the last one's timeline.
+        """Profiles a real training step of `model` on one batch; writes its timeline.
 
-        Each action (e.g. `1F0`) is time-stamped on its device when it starts and
-        ends. Writes a Chrome trace to `path` (open it in chrome://tracing or
-        Perfetto) and a picture next to it (`path` with a `.png` suffix). The
-        model trains on the batch `warmup_steps + 1` times, as with
-        `model.train_on_batch`.
+        Runs `warmup_steps` steps (at least 1: the first one builds the step), then
+        one under TensorFlow's profiler, and times each action (e.g. `1F0`) on its
+        device from its ops. Writes a Chrome trace to `path` (open it in
+        chrome://tracing or Perfetto) and a picture next to it (`path` with a `.png`
+        suffix). The model trains on the batch, as with `model.train_on_batch`.
 
         Returns:
           The Chrome trace events (a list of dicts).
@@ -169,37 +170,28 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         data = tuple(v for v in (x, y, sample_weight) if v is not None)
         dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
         iterator = iter(self.experimental_distribute_dataset(dataset))
-        recorder = pipeline_exec.Recorder()
-
-        def replica_step(batch):
-            model.train_step(batch)
-            spans = recorder.spans.get(values_util.get_current_replica_id_as_int() or 0, [])
-            if not spans:
-                raise PlacementError(
-                    f"trace() needs the pipeline's own train step, but {model.name!r} "
-                    f"overrides train_step.")
-            return [tf.stack([start, end]) for _, start, end in spans]
 
         @tf.function
         def step(iterator):
-            return self.run(replica_step, args=(next(iterator),))
+            return self.run(model.train_step, args=(next(iterator),))
 
-        self._place(model)
-        with self._lock:
-            self._recorder = recorder
+        for _ in range(max(1, warmup_steps)):
+            step(iterator)
+        logdir = tempfile.mkdtemp(prefix="tfpar_trace_")
+        try:
+            tf.profiler.experimental.start(logdir)
             try:
-                stamps = step(iterator)  # Traced with the recorder.
+                step(iterator)
             finally:
-                self._recorder = None
-        for _ in range(warmup_steps):
-            stamps = step(iterator)
-        spans = []
-        for replica, per_replica in enumerate(self.experimental_local_results(stamps)):
-            labels = [label for label, _, _ in recorder.spans[replica]]
-            for label, pair in zip(labels, per_replica):
-                start, end = (float(t) for t in pair.numpy())
-                stage = int(label.split("F")[0].split("B")[0])
-                spans.append((label, replica * self.num_stages + stage, start, end))
+                tf.profiler.experimental.stop()
+            ops = pipeline_trace.profiled_ops(logdir)
+        finally:
+            shutil.rmtree(logdir, ignore_errors=True)
+        spans = pipeline_trace.action_spans(ops, self.num_stages)
+        if not spans:
+            raise PlacementError(
+                f"trace() times the pipeline's own train step, but {model.name!r} overrides "
+                f"train_step (or was not created under this strategy's scope).")
         rows = [f"r{r} stage {s}: {self._name(device)}" if len(self._grid) > 1
                 else f"stage {s}: {self._name(device)}"
                 for r, row in enumerate(self._grid) for s, device in enumerate(row)]
@@ -251,6 +243,9 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                     for variable in stage.placed_variables:
                         mirrored_placement.move_copies(variable, devices)
                 self.extended.follow_colocated(getattr(model, "optimizer", None))
+            if getattr(model, "_jit_compile", None):
+                # XLA compiles a step for one device; the pipeline's step spans several.
+                model.jit_compile = False
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
@@ -265,10 +260,15 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         from keras.src.trainers.data_adapters import data_adapter_utils
 
         self._place(model)
+        if model.jit_compile:
+            raise ValueError(
+                f"PipelineStrategy runs each stage of {model.name!r} on its own device, which "
+                f"XLA cannot compile into one program. Compile the model with "
+                f"jit_compile=False.")
         replica = values_util.get_current_replica_id_as_int() or 0
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],  # pylint: disable=protected-access
-                                       self._schedule, self._remat, replica, self._recorder)
+                                       self._schedule, self._remat, replica, len(self._grid))
         loss, y_pred, grads = step(x, y, sample_weight)
         model._loss_tracker.update_state(  # pylint: disable=protected-access
             loss_module.unscale_loss_for_distribution(loss),
@@ -312,6 +312,26 @@ def _stage_count(num_devices, num_replicas, num_stages):
     return num_stages
 
 
+@dataclasses.dataclass(frozen=True)
+class StageReduction:
+    """How one stage's gradients are all-reduced across its copies in the R replicas."""
+
+    devices: tuple  # The stage's device in each replica, canonical.
+    communication: str  # "nccl" when they are all GPUs (see select_communication).
+    ops: object  # The tf.distribute.CrossDeviceOps doing it.
+
+
+def stage_reductions(grid, collective_keys):
+    """One `StageReduction` per stage of `grid[replica][stage]` devices."""
+    reductions = []
+    for s in range(len(grid[0])):
+        devices = tuple(canonical_device(row[s]) for row in grid)
+        communication = select_communication("auto", [devices_lib.device_type(d) for d in devices])
+        reductions.append(StageReduction(devices, communication, make_cross_device_ops(
+            communication, devices, collective_keys)))
+    return reductions
+
+
 class _PipelineExtended(mirrored_strategy.MirroredExtended):
     """A mirrored strategy over the replicas' first devices, with one reduction per stage.
 
@@ -326,15 +346,10 @@ class _PipelineExtended(mirrored_strategy.MirroredExtended):
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
-        self._stage_ops, self.stage_communication = {}, {}
-        for s in range(len(self._grid[0])):
-            stage_devices = tuple(canonical_device(row[s]) for row in self._grid)
-            communication = select_communication(
-                "auto", [devices_lib.device_type(d) for d in stage_devices])
-            self.stage_communication[s] = communication
-            self._stage_ops[stage_devices] = make_cross_device_ops(
-                communication, stage_devices, self._collective_keys)
-        self._cross_device_ops = self._stage_ops[tuple(canonical_device(d) for d in devices)]
+        reductions = stage_reductions(self._grid, self._collective_keys)
+        self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
+        self._stage_ops = {r.devices: r.ops for r in reductions}
+        self._cross_device_ops = reductions[0].ops  # Stage 0's devices are the replicas'.
 
     def _get_cross_device_ops(self, value):
         ops = super()._get_cross_device_ops(value)
@@ -376,11 +391,3 @@ class _PipelineExtended(mirrored_strategy.MirroredExtended):
             if target is not None and (mirrored_placement.devices_of(target)
                                        != mirrored_placement.devices_of(variable)):
                 mirrored_placement.move_copies(variable, mirrored_placement.devices_of(target))
-
-    def _experimental_distribute_dataset(self, dataset, options):
-        first = tf.nest.flatten(dataset.element_spec)[0]
-        shape = getattr(first, "shape", None)
-        if shape is not None and shape.rank and shape[0] is not None:
-            schedule = self._container_strategy()._schedule  # pylint: disable=protected-access
-            check_micro_batches(int(shape[0]), schedule.num_micro_batches, len(self._grid))
-        return super()._experimental_distribute_dataset(dataset, options)

@@ -139,16 +139,6 @@ def _accumulate(total, grad):
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
 
 
-class Recorder:
-    """Collects timestamps of each action while a step is traced (for `trace`)."""
-
-    def __init__(self):
-        self.spans = {}  # replica -> [(action, start tensor, end tensor)]
-
-    def add(self, replica, action, start, end):
-        self.spans.setdefault(replica, []).append((str(action), start, end))
-
-
 def has_custom_compute_loss(model):
     from keras.src.trainers.trainer import Trainer
 
@@ -180,14 +170,15 @@ class TrainStep:
       devices: the device of each stage, for this replica.
       schedule: a validated `Schedule`.
       remat: recompute each stage's forward in its backward.
-      replica: this replica's id (for the recorder).
-      recorder: a `Recorder`, or None.
+      replica: this replica's id; its actions are built in name scope `pipeline_r<id>`,
+        e.g. `pipeline_r0/1F0/...` (their gradients: `gradient_tape/pipeline_r0/1F0/...`).
+      num_replicas: how many pipeline replicas share the global batch.
     """
 
-    def __init__(self, model, program, devices, schedule, remat, replica=0, recorder=None):
+    def __init__(self, model, program, devices, schedule, remat, replica=0, num_replicas=1):
         self.model, self.program, self.devices = model, program, list(devices)
         self.schedule, self.remat = schedule, remat
-        self.replica, self.recorder = replica, recorder
+        self.replica, self.num_replicas = replica, num_replicas
         k, m = schedule.num_stages, schedule.num_micro_batches
         self.inputs = [[None] * m for _ in range(k)]  # What each stage reads, per micro-batch.
         self.kept = [[None] * m for _ in range(k)]  # Tapes, or inputs under remat.
@@ -204,6 +195,10 @@ class TrainStep:
     def __call__(self, x, y, sample_weight):
         """Builds the step; returns (loss, y_pred, gradients of model.trainable_weights)."""
         m = self.schedule.num_micro_batches
+        first = next((t for t in tf.nest.flatten(x) if isinstance(t, tf.Tensor)), None)
+        if first is not None and first.shape.rank and first.shape[0] is not None:
+            # A static batch size: fail now, speaking of the global batch.
+            check_micro_batches(int(first.shape[0]) * self.num_replicas, m, self.num_replicas)
         with tf.device(self.devices[0]):
             flat = self.program.standardize(x)
             for i, part in enumerate(split_batch(flat, m, exact=True)):
@@ -213,7 +208,7 @@ class TrainStep:
         with tf.device(self.devices[-1]):
             self.y_parts = split_batch(y, m, exact=True)
             self.weight_parts = split_batch(sample_weight, m, exact=True)
-        with tf.name_scope("pipeline"):
+        with tf.name_scope(f"pipeline_r{self.replica}"):
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
                     self._forward(action)
@@ -229,24 +224,13 @@ class TrainStep:
     @contextlib.contextmanager
     def _in_order(self, action):
         """Scope of one action: its stage's device, after the stage's previous action."""
-        s = action.stage
-        deps = self.after[s]
-        with tf.name_scope(str(action)), tf.device(self.devices[s]):
-            if self.recorder is not None:
-                with tf.control_dependencies(deps):
-                    deps = [tf.timestamp()]
-                self._start = deps[0]
-            with tf.control_dependencies(deps):
+        with tf.name_scope(str(action)), tf.device(self.devices[action.stage]):
+            with tf.control_dependencies(self.after[action.stage]):
                 yield
 
     def _done(self, action, tensors):
-        s = action.stage
         if tensors:
-            self.after[s] = tensors
-        if self.recorder is not None:
-            with tf.device(self.devices[s]), tf.control_dependencies(self.after[s]):
-                end = tf.timestamp()
-            self.recorder.add(self.replica, action, self._start, end)
+            self.after[action.stage] = tensors
 
     def _scaled(self, tensor):
         optimizer = getattr(self.model, "optimizer", None)

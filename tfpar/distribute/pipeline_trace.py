@@ -1,15 +1,79 @@
-"""A measured pipeline step as a Chrome trace (JSON) and as a timeline picture (PNG).
+"""A profiled pipeline step as a Chrome trace (JSON) and as a timeline picture (PNG).
+
+The step runs under TensorFlow's profiler, which records every op on every thread
+without changing the graph (time-stamp ops would: TensorFlow orders stateful ops
+among themselves, which would serialize the stages). Each op belongs to the action
+whose name scope it was built in (`pipeline_r0/1F0/...`; the gradient of that
+forward, `gradient_tape/pipeline_r0/1F0/...`, is `1B0`); an action spans from its
+first op's start to its last op's end.
 
 Spans are `(label, device_row, start_seconds, end_seconds)`; rows are devices
 (one per pipeline replica and stage). The JSON opens in chrome://tracing or
 Perfetto; the picture is drawn with Pillow (which TensorBoard already installs).
 """
 
+import glob
 import json
+import os
+import re
 
 _FORWARD_COLOR = (66, 122, 183)
 _BACKWARD_COLOR = (230, 140, 50)
 _OTHER_COLOR = (120, 120, 120)
+
+
+_ACTION_OP = re.compile(r"^(?:gradient_tape/)?pipeline_r(\d+)(?:_\d+)?/(\d+)([FB])(\d+)/")
+_OP_EVENT = re.compile(r"^([^:]+):([^:]+)$")  # "name:type"; executor bookkeeping has "::".
+# Not timed: transfers wait rather than compute, and variable reads or identities
+# (which may run as soon as the previous action ends) are instants.
+_NOT_TIMED = {"_Send", "_Recv", "_HostSend", "_HostRecv", "ReadVariableOp", "Identity",
+              "IdentityN", "Const", "NoOp"}
+
+
+def action_of_op(name):
+    """`(replica, label)` of a pipeline train-step op, e.g. `(0, "1B0")`; None for others."""
+    match = _ACTION_OP.match(name)
+    if match is None:
+        return None
+    kind = "B" if name.startswith("gradient_tape/") else match[3]
+    return int(match[1]), f"{match[2]}{kind}{match[4]}"
+
+
+def profiled_ops(logdir):
+    """`(op name, op type, start s, end s, thread)` of every op TensorFlow's profiler wrote
+    to `logdir`."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
+    if not paths:
+        raise RuntimeError(f"TensorFlow's profiler wrote no profile under {logdir}.")
+    space = xplane_pb2.XSpace()
+    with open(paths[-1], "rb") as f:
+        space.ParseFromString(f.read())
+    ops = []
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                match = _OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
+                if match is None:
+                    continue
+                start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
+                ops.append((match[1], match[2], start, start + event.duration_ps * 1e-12,
+                            line.name))
+    return ops
+
+
+def action_spans(ops, num_stages):
+    """`[(label, row, start, end)]` of the pipeline's actions; row = replica * K + stage."""
+    spans = {}
+    for name, kind, start, end, _ in ops:
+        found = action_of_op(name)
+        if found is None or kind in _NOT_TIMED:
+            continue
+        first, last = spans.get(found, (start, end))
+        spans[found] = (min(first, start), max(last, end))
+    return sorted(((label, replica * num_stages + int(re.match(r"\d+", label)[0]), start, end)
+                   for (replica, label), (start, end) in spans.items()), key=lambda s: s[2])
 
 
 def chrome_events(spans, row_names):

@@ -1,0 +1,438 @@
+"""PipelineStrategy: equal to the unsplit model, ops on their stage's device in schedule
+order, replicas with per-stage all-reduce, Keras fit/evaluate/predict/save, clear errors."""
+
+import json
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar.distribute import pipeline as pipeline_lib
+from tfpar.distribute.pipeline_trace import action_of_op
+from tfpar.errors import BatchSizeError, DeviceError, PlacementError, ScheduleError
+from tfpar.plan.schedule import BACKWARD, bubble_fraction, make_schedule
+
+from conftest import cpus, toy_data
+from test_model_parallel import device_index, graph_nodes, tf_functions_in
+
+BATCH = 16
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+COMPUTE_OPS = {"MatMul", "BiasAdd", "BiasAddGrad", "Tanh", "TanhGrad", "Relu", "ReluGrad"}
+
+
+def mlp(seed=0, boundaries=()):
+    """Four Dense layers (enough for 4 stages); StageBoundary markers before the given layers."""
+    keras.utils.set_random_seed(seed)
+    layers = [keras.layers.Dense(16, activation="tanh", name="alpha"),
+              keras.layers.Dense(16, activation="relu", name="beta"),
+              keras.layers.Dense(8, activation="tanh", name="gamma"),
+              keras.layers.Dense(3, name="delta")]
+    for i in sorted(boundaries, reverse=True):
+        layers.insert(i, tfpar.layers.StageBoundary(name=f"boundary_{i}"))
+    return keras.Sequential([keras.Input((4,))] + layers)
+
+
+def compiled(model, optimizer=None, **kwargs):
+    model.compile(optimizer or keras.optimizers.SGD(0.1), LOSS, **kwargs)
+    return model
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def pipelined(strategy, make=mlp, optimizer=None, **compile_kwargs):
+    """`make()` compiled under the strategy's scope; `optimizer`: a function making it."""
+    with strategy.scope():
+        return compiled(make(), optimizer() if optimizer else None, **compile_kwargs)
+
+
+def assert_weights_equal(got, want, atol=1e-5):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return toy_data(n=4 * BATCH)
+
+
+@pytest.fixture(scope="module")
+def reference_steps(data):
+    """Weights of the unsplit model after each of 3 SGD steps on the first 3 batches."""
+    x, y = data
+    model = compiled(mlp())
+    weights = []
+    for step in range(3):
+        model.train_on_batch(x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+        weights.append(model.get_weights())
+    return weights
+
+
+# --- Numbers equal to the unsplit model ---------------------------------------------------
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [2, 4])
+def test_train_steps_equal_unsplit_model(k, m, schedule, remat, data, reference_steps):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(k), num_micro_batches=m, schedule=schedule,
+                                      remat=remat)
+    model = pipelined(strategy)
+    for step in range(3):
+        model.train_on_batch(x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+    assert_weights_equal(model.get_weights(), reference_steps[-1])
+    assert [device_index(l.kernel.value.device) for l in model.layers] == (
+        [0, 0, 1, 1] if k == 2 else [0, 1, 2, 3])
+
+
+def test_fit_evaluate_predict_and_checkpoints_equal_unsplit_model(data, tmp_path):
+    x, y = data
+    weights = np.random.default_rng(1).uniform(0.5, 1.5, len(x)).astype("float32")
+    kwargs = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    reference = compiled(mlp(), keras.optimizers.Adam(0.01), metrics=["accuracy"])
+    history = reference.fit(x, y, **kwargs)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b")
+    model = pipelined(strategy, optimizer=adam, metrics=["accuracy"])
+    checkpoints = keras.callbacks.ModelCheckpoint(str(tmp_path / "e{epoch}.weights.h5"),
+                                                  save_weights_only=True)
+    got = model.fit(x, y, callbacks=[checkpoints], **kwargs)
+    np.testing.assert_allclose(got.history["loss"], history.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got.history["accuracy"], history.history["accuracy"])
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                               atol=1e-5)
+    # Any batch size for the forward pass: 10 examples in 4 micro-batches of 3, 3, 2, 2.
+    np.testing.assert_allclose(model.predict(x[:10], batch_size=10, verbose=0),
+                               reference.predict(x[:10], verbose=0), atol=1e-5)
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               reference.evaluate(x, y, batch_size=BATCH, verbose=0), atol=1e-5)
+    # Adam's state lives with its variable; the checkpoint loads into a plain model.
+    for variable in model.optimizer.variables:
+        layer = next((l for l in model.layers if f"_{l.name}_" in variable.path), None)
+        if layer is not None:
+            assert variable.value.device == layer.kernel.value.device, variable.path
+    plain = mlp(seed=7)
+    plain.load_weights(tmp_path / "e2.weights.h5")
+    assert_weights_equal(plain.get_weights(), reference.get_weights())
+
+
+def test_losses_regularizers_and_custom_loop_equal_unsplit_model(data):
+    x, y = data[0][:BATCH], data[1][:BATCH]
+
+    def regularized():
+        keras.utils.set_random_seed(2)
+        inputs = keras.Input((4,))
+        h = keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2", name="alpha")(inputs)
+        h = keras.layers.Dense(8, activation="relu", activity_regularizer="l2", name="beta")(h)
+        return keras.Model(inputs, keras.layers.Dense(3, name="gamma")(h))
+
+    sum_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    for loss in (LOSS, sum_loss):
+        reference = regularized()
+        reference.compile(keras.optimizers.SGD(0.05), loss)
+        strategy = tfpar.PipelineStrategy(cpus(3), num_micro_batches=4, remat=True)
+        with strategy.scope():
+            model = regularized()
+            model.compile(keras.optimizers.SGD(0.05), loss)
+        for _ in range(2):
+            np.testing.assert_allclose(model.train_on_batch(x, y), reference.train_on_batch(x, y),
+                                       rtol=1e-5)
+        assert_weights_equal(model.get_weights(), reference.get_weights())
+
+    # A custom loop: the forward runs by micro-batches, each stage's backward on its device.
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
+    with strategy.scope():
+        model, optimizer = mlp(), keras.optimizers.SGD(0.1)
+    reference, reference_optimizer = mlp(), keras.optimizers.SGD(0.1)
+
+    def step(m, opt):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, m(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, m.trainable_variables), m.trainable_variables))
+        return loss
+
+    run = tf.function(lambda: strategy.run(step, args=(model, optimizer)))
+    for _ in range(2):
+        np.testing.assert_allclose(run(), step(reference, reference_optimizer), rtol=1e-5)
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+
+
+def test_replicas_all_reduce_per_stage_and_equal_unsplit_model(data, tmp_path):
+    x, y = data
+    reference = compiled(mlp(), keras.optimizers.Adam(0.01))
+    reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2,
+                                      schedule="1f1b")
+    assert strategy.num_replicas_in_sync == 2 and strategy.num_stages == 2
+    assert strategy.communication == {0: "reduce_to_one", 1: "reduce_to_one"}
+    model = pipelined(strategy, optimizer=adam)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+    # Replica r's copy of a stage's variable lives on device r*K + stage; all copies equal.
+    for layer, stage in zip(model.layers, [0, 0, 1, 1]):
+        copies = layer.kernel.value.values
+        assert [device_index(c.device) for c in copies] == [stage, 2 + stage]
+        np.testing.assert_array_equal(copies[0].numpy(), copies[1].numpy())
+    np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                               reference.predict(x, verbose=0), atol=1e-5)
+    # Weights load into every copy.
+    model.save_weights(tmp_path / "r.weights.h5")
+    other = pipelined(tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2))
+    other.predict(x[:BATCH], verbose=0)  # places it
+    other.load_weights(tmp_path / "r.weights.h5")
+    for copies in (l.kernel.value.values for l in other.layers):
+        np.testing.assert_array_equal(copies[1].numpy(), copies[0].numpy())
+    assert_weights_equal(other.get_weights(), model.get_weights(), atol=0)
+
+
+def test_nccl_is_chosen_for_gpu_stages():
+    """Without GPUs here: the per-stage choice and its ops are built, not run."""
+    from tensorflow.python.distribute import cross_device_utils
+
+    grid = [["/job:localhost/replica:0/task:0/device:GPU:0",
+             "/job:localhost/replica:0/task:0/device:GPU:1"],
+            ["/job:localhost/replica:0/task:0/device:GPU:2",
+             "/job:localhost/replica:0/task:0/device:GPU:3"]]
+    reductions = pipeline_lib.stage_reductions(grid, cross_device_utils.CollectiveKeys())
+    assert [(r.communication, r.devices) for r in reductions] == [
+        ("nccl", (grid[0][0], grid[1][0])), ("nccl", (grid[0][1], grid[1][1]))]
+    assert all(isinstance(r.ops, tf.distribute.NcclAllReduce) for r in reductions)
+    cpu = pipeline_lib.stage_reductions([["/cpu:0"], ["/cpu:1"]],
+                                        cross_device_utils.CollectiveKeys())
+    assert cpu[0].communication == "reduce_to_one"
+
+
+def test_batchnorm_and_dropout_train_and_remat_replays_the_same_masks(data):
+    x, y = data
+
+    def make():
+        keras.utils.set_random_seed(4)
+        return compiled(keras.Sequential([
+            keras.Input((4,)), keras.layers.Dense(16, name="alpha"),
+            keras.layers.BatchNormalization(name="bn"), keras.layers.Activation("relu"),
+            keras.layers.Dropout(0.3, name="drop"), keras.layers.Dense(3, name="gamma")]),
+            adam())
+
+    results = []
+    for remat in (False, True):
+        model = pipelined(tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, remat=remat),
+                          make=make)
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        results.append(model.get_weights())
+    # Same dropout masks and one BatchNorm update per micro-batch, with or without remat.
+    assert_weights_equal(results[1], results[0], atol=1e-6)
+
+
+# --- Placement and order in the traced step -------------------------------------------------
+
+def _action_of(name):
+    """The action ("1B0") an op of the train step belongs to, from its name scope."""
+    found = action_of_op(name)
+    return found and found[1]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=3, schedule="1f1b",
+                                      remat=remat)
+    model = pipelined(strategy)
+    model.fit(x[:24], y[:24], batch_size=24, verbose=0)
+    functions = [c for f in tf_functions_in(model.train_function)
+                 for c in f._list_all_concrete_functions()]
+    graphs = [list(f.node_def) for c in functions for f in c.graph.as_graph_def().library.function]
+    nodes = next(g for g in graphs if any(_action_of(n.name) for n in g))
+    by_name = {n.name: n for n in nodes}
+    actions = {}
+    for node in nodes:
+        action = _action_of(node.name)
+        if action is not None:
+            actions.setdefault(action, []).append(node)
+    # Forward and backward compute on the stage's device.
+    for action, members in actions.items():
+        compute = [n for n in members if n.op in COMPUTE_OPS]
+        assert compute, action
+        for node in compute:
+            assert device_index(node.device) == int(action[0]), (action, node.name, node.device)
+    assert any(n.op == "BiasAddGrad" for n in actions["0B0"])
+
+    ancestors = {}
+
+    def ancestors_of(name):
+        if name not in ancestors:
+            ancestors[name] = set()
+            for inp in by_name[name].input:
+                parent = inp.lstrip("^").split(":")[0]
+                if parent in by_name:
+                    ancestors[name] |= {parent} | ancestors_of(parent)
+        return ancestors[name]
+
+    # Each action's compute waits for the stage's previous action (control dependencies).
+    for order in strategy.schedule.stage_orders:
+        for before, after in zip(order, order[1:]):
+            previous = {n.name for n in actions[str(before)]}
+            for node in actions[str(after)]:
+                if node.op in COMPUTE_OPS:
+                    assert ancestors_of(node.name) & previous, (str(before), str(after), node.name)
+
+
+def test_trace_writes_a_timeline_in_schedule_order(data, tmp_path):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b")
+    model = pipelined(strategy)
+    events = strategy.trace(str(tmp_path / "step.json"), model, x[:BATCH], y[:BATCH])
+    with open(tmp_path / "step.json") as f:
+        assert json.load(f)["traceEvents"] == events
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 2 * 2 * 4
+    for stage, order in enumerate(strategy.schedule.stage_orders):
+        mine = sorted((e for e in spans if e["tid"] == stage), key=lambda e: e["ts"])
+        assert [e["name"] for e in mine] == [str(a) for a in order]
+        for first, second in zip(mine, mine[1:]):
+            assert second["ts"] >= first["ts"] + first["dur"] - 1  # microseconds
+    from PIL import Image
+
+    with Image.open(tmp_path / "step.png") as image:
+        assert image.size[0] > 600
+
+
+# --- Stages, markers, tables ----------------------------------------------------------------
+
+def test_stage_boundaries_cut_the_model_and_round_trip(data, tmp_path):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(3), num_micro_batches=2)
+    model = pipelined(strategy, make=lambda: mlp(boundaries=(1, 3)))
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert strategy.stages(model) == [["alpha"], ["boundary_1", "beta", "gamma"],
+                                      ["boundary_3", "delta"]]
+    assert [device_index(model.get_layer(n).kernel.value.device)
+            for n in ("alpha", "beta", "gamma", "delta")] == [0, 1, 1, 2]
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")  # on one device, plain Keras
+    assert isinstance(loaded.get_layer("boundary_1"), tfpar.layers.StageBoundary)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)
+    layer = tfpar.layers.StageBoundary(name="b")
+    assert tfpar.layers.StageBoundary.from_config(layer.get_config()).name == "b"
+    # Without markers: balanced by parameters.
+    balanced = tfpar.PipelineStrategy(cpus(2))
+    # alpha+beta: 80+272 parameters, gamma+delta: 136+27.
+    assert balanced.stages(pipelined(balanced)) == [["alpha", "beta"], ["gamma", "delta"]]
+
+
+def test_functional_model_is_cut_only_where_one_tensor_crosses(data):
+    x = data[0][:BATCH]
+
+    def residual(marker=None):
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((4,))
+        a = keras.layers.Dense(8, name="a")(inputs)
+        b = keras.layers.Dense(8, name="b")(a)
+        if marker == "inside":
+            b = tfpar.layers.StageBoundary(name="inside")(b)
+        joined = keras.layers.Add(name="join")([a, b])
+        if marker == "after":
+            joined = tfpar.layers.StageBoundary(name="after")(joined)
+        c = keras.layers.Dense(8, name="c")(joined)
+        return keras.Model(inputs, keras.layers.Dense(3, name="d")(c))
+
+    reference = residual()
+    strategy = tfpar.PipelineStrategy(cpus(3), num_micro_batches=2)
+    with strategy.scope():
+        model = residual()
+    np.testing.assert_allclose(model(x), reference(x), atol=1e-6)
+    # Never between b and join, where a's and b's outputs both cross.
+    assert strategy.stages(model) == [["a"], ["b", "join"], ["c", "d"]]
+    strategy = tfpar.PipelineStrategy(cpus(2))
+    with strategy.scope():
+        model = residual("after")
+    assert strategy.stages(model) == [["a", "b", "join"], ["after", "c", "d"]]
+    with strategy.scope():
+        model = residual("inside")
+    with pytest.raises(PlacementError, match=r"'inside' cannot start a stage: 2 tensors cross "
+                                             r"there \(outputs of a, b\)"):
+        strategy.stages(model)
+
+
+def test_schedule_table_shows_the_grid_and_bubble():
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
+    table = strategy.schedule_table()
+    assert table.splitlines()[1].split()[2:6] == ["0F0", "0F1", "0F2", "0F3"]
+    assert "bubble fraction: 0.200 (gpipe, 2 stages, 4 micro-batches)" in table
+    assert bubble_fraction(make_schedule("gpipe", 2, 4)) == pytest.approx(1 / 5)
+    assert "1F1B" not in repr(strategy) and "schedule='gpipe'" in repr(strategy)
+    one = tfpar.PipelineStrategy(cpus(4), num_micro_batches=8, schedule="1f1b")
+    assert [a.kind for a in one.schedule.stage_orders[3][:4]] == ["F", BACKWARD, "F", BACKWARD]
+
+
+# --- Clear errors ---------------------------------------------------------------------------
+
+def test_bad_arguments_are_rejected_clearly(data):
+    x, y = data
+    with pytest.raises(ScheduleError, match="num_micro_batches must be an integer >= 1"):
+        tfpar.PipelineStrategy(cpus(2), num_micro_batches=0)
+    with pytest.raises(ScheduleError, match="Unknown schedule 'pipedream'"):
+        tfpar.PipelineStrategy(cpus(2), schedule="pipedream")
+    with pytest.raises(DeviceError, match=r"num_replicas x num_stages \(3 x 2 = 6\) must equal "
+                                          r"the number of devices \(4\)"):
+        tfpar.PipelineStrategy(cpus(4), num_replicas=3, num_stages=2)
+    with pytest.raises(DeviceError, match="4 devices do not split into 3 pipeline replicas"):
+        tfpar.PipelineStrategy(cpus(4), num_replicas=3)
+    with pytest.raises(DeviceError, match="does not exist"):
+        tfpar.PipelineStrategy(["/cpu:0", "/cpu:9"])
+
+    # More stages than layers.
+    strategy = tfpar.PipelineStrategy(cpus(4))
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        small = compiled(keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                           keras.layers.Dense(3)]))
+    with pytest.raises(PlacementError, match="Cannot cut 2 layers into 4 pipeline stages"):
+        small.fit(x, y, batch_size=BATCH, verbose=0)
+    # Markers that make another number of stages than the strategy runs.
+    strategy = tfpar.PipelineStrategy(cpus(2))
+    model = pipelined(strategy, make=lambda: mlp(boundaries=(1, 2)))
+    with pytest.raises(PlacementError, match="2 StageBoundary markers make 3 stages, but the "
+                                             "strategy runs 2 stages"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+
+    # A subclassed model has no graph to cut.
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = keras.layers.Dense(8), keras.layers.Dense(3)
+
+        def call(self, inputs):
+            return self.second(self.first(inputs))
+
+    with strategy.scope():
+        subclassed = compiled(Subclassed())
+    with pytest.raises(PlacementError, match="subclassed model"):
+        subclassed.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+def test_batches_that_do_not_split_into_micro_batches_fail_clearly(data):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(4), num_micro_batches=4, num_replicas=2)
+    model = pipelined(strategy)
+    with pytest.raises(BatchSizeError, match=r"A batch of 12 examples does not split evenly into "
+                                             r"2 pipeline replicas x 4 micro-batches \(8 equal "
+                                             r"parts\)\. Use a batch size that is a multiple of 8, "
+                                             r"such as 8 or 16"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(12, drop_remainder=True),
+                  verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
+    model = pipelined(strategy)
+    with pytest.raises(BatchSizeError, match="A batch of 10 examples does not split evenly"):
+        model.train_on_batch(x[:10], y[:10])
+    # Known only when the step runs: the last partial batch of an epoch.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not split evenly into 4 "
+                                                             "micro-batches"):
+        model.fit(x[:18], y[:18], batch_size=8, verbose=0)
