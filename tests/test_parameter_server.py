@@ -111,7 +111,9 @@ def test_worker_killed_and_restarted_then_ps_killed(tmp_path):
         cluster.wait_for("PS FIT STARTED", "chief:0", timeout=240)
         result = json.loads((tmp_path / "result.json").read_text())
         assert result["iterations_after_worker_failure"] == result["steps_asked"] == 600
-        time.sleep(3)
+        # The restarted worker rejoins (TensorFlow's coordinator logs it); the second fit
+        # runs until the ps is killed, so there is time.
+        cluster.wait_for("/job:worker/replica:0/task:1 has been recovered", "chief:0", 150)
         killed_at = time.monotonic()
         cluster.kill("ps:0")
         assert cluster.wait(["chief:0"], timeout=120) == [0], cluster.output()[-5000:]
@@ -119,9 +121,6 @@ def test_worker_killed_and_restarted_then_ps_killed(tmp_path):
         result = json.loads((tmp_path / "result.json").read_text())
         assert "A parameter server stopped responding (ps:0" in result["ps_error"]
         assert result["ps_error_seconds"] < 60
-        # The restarted worker rejoined (TensorFlow's coordinator logs it).
-        assert re.search(r"Worker /job:worker/replica:0/task:1 has been recovered",
-                         cluster.output("chief:0"))
     finally:
         cluster.kill_all()
 
