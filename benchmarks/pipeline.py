@@ -252,7 +252,8 @@ def main():
     params = 4 * ((args.layers * (args.width + 1) * args.width) + (args.width + 1) * 10)
     result = {
         "benchmark": "pipeline",
-        "command": command_line("pipeline", args).replace(f" --trace={args.trace}", ""),
+        "command": command_line("pipeline", args).replace(f" --trace={args.trace}", "").replace(
+            " --remat=False", "").replace(" --remat=True", " --remat"),
         "model": f"MLP {args.layers}x{args.width} + 10-way head, "
                  f"{params / 2**20:.1f} MiB of weights, SGD, Keras train step",
         "devices": "2 logical CPUs, one thread per op (intra-op 1); inter-op 2, and 1 for "

@@ -10,7 +10,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 import tfpar  # noqa: E402  (cheap: TensorFlow is imported on first use)
 
@@ -20,11 +20,12 @@ flags.DEFINE_integer("num_micro_batches", 8, "Micro-batches per batch.")
 flags.DEFINE_enum("schedule", "gpipe", ("gpipe", "1f1b"), "Pipeline schedule.")
 flags.DEFINE_bool("remat", False, "Recompute activations in the backward pass.")
 flags.DEFINE_integer("epochs", 10, "Epochs.")
-flags.DEFINE_integer("batch_size", 128, "Global batch size: replicas x micro-batches must divide it.")
+flags.DEFINE_integer("batch_size", 128, "Global batch: a multiple of replicas x micro-batches.")
 FLAGS = flags.FLAGS
 
 
 def main(_):
+    logging.set_verbosity(logging.WARNING)  # TensorFlow's per-reduction INFO lines
     import tensorflow as tf
 
     if not tf.config.list_physical_devices("GPU"):

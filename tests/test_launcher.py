@@ -1,6 +1,5 @@
 """The local cluster launcher: TF_CONFIG per task, prefixes, failure propagation, cleanup."""
 
-import json
 import os
 import signal
 import subprocess

@@ -16,7 +16,7 @@ from tfpar.errors import BatchSizeError, DeviceError, PlacementError, ScheduleEr
 from tfpar.plan.schedule import BACKWARD, bubble_fraction, make_schedule
 
 from conftest import cpus, toy_data
-from test_model_parallel import device_index, graph_nodes, tf_functions_in
+from test_model_parallel import device_index, tf_functions_in
 
 BATCH = 16
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -161,6 +161,42 @@ def test_losses_regularizers_and_custom_loop_equal_unsplit_model(data):
     for _ in range(2):
         np.testing.assert_allclose(run(), step(reference, reference_optimizer), rtol=1e-5)
     assert_weights_equal(model.get_weights(), reference.get_weights())
+
+
+def test_functional_multi_input_output_model_with_embedding_equals_unsplit_model():
+    rng = np.random.default_rng(2)
+    x = {"ids": rng.integers(0, 50, size=(32, 6)).astype("int32"),
+         "extra": rng.normal(size=(32, 3)).astype("float32")}
+    y = {"cls": rng.integers(0, 3, 32).astype("int32"),
+         "reg": rng.normal(size=(32, 1)).astype("float32")}
+
+    def make():
+        keras.utils.set_random_seed(1)
+        ids, extra = keras.Input((6,), dtype="int32", name="ids"), keras.Input((3,), name="extra")
+        h = keras.layers.Flatten(name="flat")(keras.layers.Embedding(50, 4, name="emb")(ids))
+        h = keras.layers.Concatenate(name="join")([h, extra])
+        h = keras.layers.Dense(16, activation="relu", name="d1")(h)
+        h = keras.layers.Dense(16, activation="relu", name="d2")(h)
+        model = keras.Model({"ids": ids, "extra": extra},
+                            {"cls": keras.layers.Dense(3, name="cls")(h),
+                             "reg": keras.layers.Dense(1, name="reg")(h)})
+        model.compile(adam(), loss={"cls": LOSS, "reg": "mse"}, loss_weights={"cls": 1, "reg": 0.5},
+                      metrics={"cls": ["accuracy"]})
+        return model
+
+    reference = make()
+    want = reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    strategy = tfpar.PipelineStrategy(cpus(3), num_micro_batches=4)
+    with strategy.scope():
+        model = make()
+    got = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    assert strategy.stages(model) == [["emb", "flat", "join"], ["d1"], ["d2", "reg", "cls"]]
+    for key in want:  # loss, cls_loss, reg_loss, cls_accuracy
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+    predicted, expected = model.predict(x, verbose=0), reference.predict(x, verbose=0)
+    for key in expected:
+        np.testing.assert_allclose(predicted[key], expected[key], atol=1e-5)
 
 
 def test_replicas_all_reduce_per_stage_and_equal_unsplit_model(data, tmp_path):
@@ -436,3 +472,27 @@ def test_batches_that_do_not_split_into_micro_batches_fail_clearly(data):
     with pytest.raises(tf.errors.InvalidArgumentError, match="does not split evenly into 4 "
                                                              "micro-batches"):
         model.fit(x[:18], y[:18], batch_size=8, verbose=0)
+
+
+# --- The training binary ----------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_binary_runs_a_pipeline_and_rejects_a_batch_it_cannot_split():
+    import os
+    import subprocess
+    import sys
+
+    def train(*flags):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        result = subprocess.run([sys.executable, "-m", "tfpar.train", "--strategy=pipeline",
+                                 "--verbose=2", "--epochs=1", *flags],
+                                capture_output=True, text=True, timeout=240, env=env)
+        return result.returncode, result.stdout + result.stderr
+
+    code, output = train("--num_micro_batches=8", "--schedule=1f1b")
+    assert code == 0, output[-3000:]
+    assert re.search(r"final: loss=[\d.]+ accuracy=[\d.]+ samples/s=\d+ replicas=1", output)
+    code, output = train("--num_devices=4", "--num_replicas=2", "--batch_size=60")
+    assert code != 0
+    assert "A batch of 60 examples does not split evenly into 2 pipeline replicas x 4 " \
+           "micro-batches" in output

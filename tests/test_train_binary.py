@@ -36,6 +36,14 @@ def test_default_job_reaches_accuracy():
     assert "Epoch 20/20" in output
 
 
+def test_model_parallel_strategy_trains(tmp_path):
+    code, output = _train("--strategy=model", "--epochs=3", f"--model_dir={tmp_path}")
+    assert code == 0, output[-3000:]
+    loss, accuracy, _, replicas = _final(output)
+    assert replicas == 1 and accuracy >= 0.9
+    assert (tmp_path / "model.keras").exists()
+
+
 def test_rerun_resumes_from_model_dir(tmp_path):
     model_dir = str(tmp_path / "run")
     code, output = _train("--epochs=2", f"--model_dir={model_dir}", f"--log_dir={tmp_path}/logs")

@@ -1,6 +1,6 @@
 """Strategy by name, for binaries and the launcher."""
 
-STRATEGIES = ("data", "ps", "pipeline")
+STRATEGIES = ("data", "ps", "model", "pipeline")
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
@@ -9,6 +9,7 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
     "sync"); its devices are the cluster's, so `num_devices` does not apply.
+    "model" is `ModelParallelStrategy` (balanced layer placement) on one host.
     "pipeline" is `PipelineStrategy` on one host; `pipeline` is a dict of its keyword
     arguments (num_micro_batches, schedule, remat, num_replicas, num_stages).
 
@@ -23,6 +24,10 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
         from tfpar.distribute.parameter_server import ParameterServerStrategy
 
         return ParameterServerStrategy(mode=ps_mode)
+    if name == "model":
+        from tfpar.distribute.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy(_local_devices(num_devices))
     if name == "pipeline":
         from tfpar.distribute.pipeline import PipelineStrategy
 

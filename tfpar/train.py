@@ -46,7 +46,7 @@ flags.DEFINE_integer("num_stages", None,
 flags.DEFINE_bool("remat", False,
                   "For --strategy=pipeline: recompute activations in the backward pass.")
 flags.DEFINE_integer("num_replicas", 1,
-                     "For --strategy=pipeline: pipeline replicas (num_devices = replicas x stages).")
+                     "For --strategy=pipeline: pipeline replicas (devices = replicas x stages).")
 
 
 def build_model(source, seed=0):

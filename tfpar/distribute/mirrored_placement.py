@@ -10,6 +10,9 @@ optimizers, checkpoints and Keras variables refer to it). Like
 variable.
 """
 
+# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# pylint: disable=protected-access
+
 import weakref
 
 import tensorflow as tf
@@ -34,7 +37,7 @@ def move_copies(variable, devices):
     distributed = distributed_value(variable)
     if distributed is None:
         return False
-    copies = distributed._values  # pylint: disable=protected-access
+    copies = distributed._values
     if len(copies) != len(devices):
         raise ValueError(
             f"Variable {distributed.name} has {len(copies)} copies but {len(devices)} devices "
@@ -53,15 +56,15 @@ def move_copies(variable, devices):
                     name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
                     aggregation=old.aggregation, synchronization=old.synchronization)
             # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
-            new._unique_id = old._unique_id  # pylint: disable=protected-access
-            new.handle._distributed_container = weakref.ref(distributed)  # pylint: disable=protected-access
+            new._unique_id = old._unique_id
+            new.handle._distributed_container = weakref.ref(distributed)
             moved.append(new)
             changed = True
-    distributed._values = tuple(moved)  # pylint: disable=protected-access
+    distributed._values = tuple(moved)
     return changed
 
 
 def devices_of(variable):
     """The devices of a distributed variable's copies, canonical."""
     distributed = distributed_value(variable)
-    return tuple(canonical_device(v.device) for v in distributed._values)  # pylint: disable=protected-access
+    return tuple(canonical_device(v.device) for v in distributed._values)

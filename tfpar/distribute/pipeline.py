@@ -30,6 +30,9 @@ stages, without the schedule interleaving). BatchNorm computes its statistics pe
 micro-batch (as GPipe does); each micro-batch updates the moving statistics.
 """
 
+# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# pylint: disable=protected-access
+
 import dataclasses
 import shutil
 import tempfile
@@ -48,7 +51,7 @@ from tfpar.distribute import mirrored_placement
 from tfpar.distribute import pipeline_exec
 from tfpar.distribute import pipeline_stages
 from tfpar.distribute.cross_device import make_cross_device_ops
-from tfpar.distribute.model_parallel import _build_symbolically, _is_built, _is_model
+from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_built, _is_model
 from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.plan import schedule as schedule_lib
@@ -151,7 +154,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
     def stages(self, model):
         """The layer names of each stage of `model` (placing it now if it was not yet)."""
         self._place(model)
-        return [stage.layer_names for stage in model._tfpar_pipeline.stages]  # pylint: disable=protected-access
+        return [stage.layer_names for stage in model._tfpar_pipeline.stages]
 
     def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1):
         """Profiles a real training step of `model` on one batch; writes its timeline.
@@ -208,20 +211,9 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
 
     # -- Placement ---------------------------------------------------------------------
 
-    # Called by the Keras seam before every call of a model created under this scope.
-    def _tfpar_before_model_call(self, model, args, kwargs):
-        if getattr(model, "_tfpar_placed_by", None) is not None:
-            return
-        from keras.src.backend.common.keras_tensor import any_symbolic_tensors
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-        if any_symbolic_tensors(args, kwargs):
-            return  # Building a functional model out of this one: nothing runs.
-        if not _is_built(model):
-            if in_stateless_scope():
-                return  # Keras' symbolic build: variables do not exist yet.
-            _build_symbolically(model, args, kwargs)
-        self._place(model)
+    # Called by the Keras seam before every call of a model created under this scope:
+    # ModelParallelStrategy's rule (place a model once, just before it first runs).
+    _tfpar_before_model_call = ModelParallelStrategy._tfpar_before_model_call
 
     def _place(self, model):
         with self._lock:
@@ -249,7 +241,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
-            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:  # pylint: disable=protected-access
+            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:
                 object.__setattr__(sub, "_tfpar_placed_by", self)
 
     # -- Training (called by the Keras seam for model.train_step) -----------------------
@@ -267,10 +259,10 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                 f"jit_compile=False.")
         replica = values_util.get_current_replica_id_as_int() or 0
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],  # pylint: disable=protected-access
+        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
                                        self._schedule, self._remat, replica, len(self._grid))
         loss, y_pred, grads = step(x, y, sample_weight)
-        model._loss_tracker.update_state(  # pylint: disable=protected-access
+        model._loss_tracker.update_state(
             loss_module.unscale_loss_for_distribution(loss),
             sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
         if model.trainable_weights:
@@ -284,10 +276,10 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
     if mask is not None or kwargs or in_symbolic_scope() or any_symbolic_tensors((inputs,)):
-        return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)  # pylint: disable=protected-access
-    strategy = model._tfpar_placed_by  # pylint: disable=protected-access
+        return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
+    strategy = model._tfpar_placed_by
     replica = values_util.get_current_replica_id_as_int() or 0
-    return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],  # pylint: disable=protected-access
+    return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],
                                  strategy.num_micro_batches, inputs, training)
 
 
@@ -308,7 +300,7 @@ def _stage_count(num_devices, num_replicas, num_stages):
             f"num_replicas x num_stages ({num_replicas} x {num_stages} = "
             f"{num_replicas * num_stages}) must equal the number of devices ({num_devices}): "
             f"each pipeline replica runs one stage per device. Pass {num_replicas * num_stages} "
-            f"devices, or num_stages={num_devices // num_replicas if num_devices % num_replicas == 0 else 'None'}.")
+            f"devices, or num_stages=None.")
     return num_stages
 
 
@@ -380,7 +372,7 @@ class _PipelineExtended(mirrored_strategy.MirroredExtended):
         if isinstance(colocate_with, values_lib.DistributedVariable) and isinstance(
                 variable, values_lib.DistributedVariable):
             # Optimizer state: when placement later moves `colocate_with`, it follows.
-            variable._tfpar_colocated_with = colocate_with  # pylint: disable=protected-access
+            variable._tfpar_colocated_with = colocate_with
         return variable
 
     def follow_colocated(self, optimizer):

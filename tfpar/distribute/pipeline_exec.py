@@ -34,6 +34,9 @@ updates them once.
                                    1F0 ==> 1F1 ==> 1B0 ==> 1B1
 """
 
+# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# pylint: disable=protected-access
+
 import contextlib
 
 import tensorflow as tf
@@ -241,7 +244,7 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         y = self.program.run(s, x, training=True)
         aux = self.program.call_losses(s) if not self.custom_loss else []
-        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32)  # pylint: disable=protected-access
+        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32)
                * (1.0 / self.schedule.num_micro_batches) for l in aux]
         if s < self.schedule.num_stages - 1:
             if not rerun:
@@ -250,10 +253,10 @@ class TrainStep:
         if not rerun:
             self.outputs[m] = y
         loss = self._loss(m, y)
-        total = tf.add_n([loss] + aux) if aux else loss
-        if total is None:
-            raise ValueError(
-                "No loss to compute. Provide a `loss` argument in `compile()`.")
+        terms = ([] if loss is None else [loss]) + aux
+        if not terms:
+            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
+        total = tf.add_n(terms)
         if not rerun:
             self.losses.append(total)
         return None, [total]
@@ -261,12 +264,12 @@ class TrainStep:
     def _loss(self, m, y_pred):
         model = self.model
         if self.custom_loss:
-            loss = model._compute_loss(  # pylint: disable=protected-access
+            loss = model._compute_loss(
                 x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
                 sample_weight=self.weight_parts[m], training=True)
             factor = 1.0 / self.schedule.num_micro_batches
         elif getattr(model, "_compile_loss", None) is not None:
-            loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])  # pylint: disable=protected-access
+            loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
             factor = loss_factor(model, self.schedule.num_micro_batches)
         else:
             return None
@@ -282,23 +285,23 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         with self._in_order(action):
             x = _anchor(self.inputs[s][m])
-            if self.remat:
-                states = [(v, tf.identity(v.value)) for v in self.program.stages[s].seed_variables]
-                y, targets = self._stage(action, x)
-                self.kept[s][m] = (x, states)
-            else:
-                tape = tf.GradientTape()
-                with tape:
-                    tape.watch(_floats(x))
+            with tf.control_dependencies(_tensors(x)):  # The action starts when x is here.
+                if self.remat:
+                    states = [(v, tf.identity(v.value))
+                              for v in self.program.stages[s].seed_variables]
                     y, targets = self._stage(action, x)
-                self.kept[s][m] = (tape, x, targets)
+                    self.kept[s][m] = (x, states)
+                else:
+                    tape = tf.GradientTape()
+                    with tape:
+                        tape.watch(_floats(x))
+                        y, targets = self._stage(action, x)
+                    self.kept[s][m] = (tape, x, targets)
         self._done(action, _tensors(targets))
         if y is not None:
             self.inputs[s + 1][m] = y
 
     def _backward(self, action):
-        import keras
-
         s, m = action.stage, action.micro_batch
         last = s == self.schedule.num_stages - 1
         done = []
@@ -306,29 +309,38 @@ class TrainStep:
             upstream = None if last else self.upstream[s][m]
             if last or upstream is not None:
                 upstream = None if last else _anchor(upstream)
-                if self.remat:
-                    x, states = self.kept[s][m]
-                    x = _anchor(x)  # The rerun starts now, not as soon as x exists.
-                    tape = tf.GradientTape()
-                    with tape, keras.StatelessScope(state_mapping=states, collect_losses=True):
-                        tape.watch(_floats(x))
-                        _, targets = self._stage(action, x, rerun=True)
-                else:
-                    tape, x, targets = self.kept[s][m]
-                seeds = [self._scaled(tf.ones_like(t)) for t in targets]
-                if not last:
-                    seeds[0] = upstream
-                inputs = _floats(x) if s > 0 else []
-                variables = self._variables(s)
-                grads = tape.gradient(targets, inputs + variables, output_gradients=seeds)
-                if s > 0:
-                    self.upstream[s - 1][m] = grads[0] if inputs else None
-                    done += [g for g in grads[:len(inputs)] if g is not None]
-                done += self._add(variables, grads[len(inputs):])
+                with tf.control_dependencies(_tensors(upstream)):  # Starts when it is here.
+                    done += self._vjp(action, upstream)
             self.kept[s][m] = None
             if action == self.last_action[s]:
                 done += self._regularize(s)
         self._done(action, _tensors(done))
+
+    def _vjp(self, action, upstream):
+        """Stage s's gradients for micro-batch m: sends the input's back, sums the variables'."""
+        import keras
+
+        s, m = action.stage, action.micro_batch
+        if self.remat:
+            x, states = self.kept[s][m]
+            x = _anchor(x)  # The rerun starts now, not as soon as x exists.
+            tape = tf.GradientTape()
+            with tape, keras.StatelessScope(state_mapping=states, collect_losses=True):
+                tape.watch(_floats(x))
+                _, targets = self._stage(action, x, rerun=True)
+        else:
+            tape, x, targets = self.kept[s][m]
+        seeds = [self._scaled(tf.ones_like(t)) for t in targets]
+        if upstream is not None:
+            seeds[0] = upstream
+        inputs = _floats(x) if s > 0 else []
+        variables = self._variables(s)
+        grads = tape.gradient(targets, inputs + variables, output_gradients=seeds)
+        done = []
+        if s > 0:
+            self.upstream[s - 1][m] = grads[0] if inputs else None
+            done += [g for g in grads[:len(inputs)] if g is not None]
+        return done + self._add(variables, grads[len(inputs):])
 
     def _add(self, variables, grads):
         changed = []
@@ -347,7 +359,7 @@ class TrainStep:
             losses = self.program.regularization_losses(s)
             if not losses:
                 return []
-            total = tf.add_n([tf.cast(self.model._aggregate_additional_loss(l), tf.float32)  # pylint: disable=protected-access
+            total = tf.add_n([tf.cast(self.model._aggregate_additional_loss(l), tf.float32)
                               for l in losses])
         variables = self._variables(s)
         grads = tape.gradient(self._scaled(total), variables)
@@ -370,18 +382,16 @@ def forward(program, devices, num_micro_batches, inputs, training):
     with tf.name_scope("pipeline_forward"):
         for x in parts:
             for s, device in enumerate(devices):
-                with tf.device(device), tf.control_dependencies(after[s]):
-                    x = _anchor(x)
-                    if taped:
-                        x = placed_call(program.run, device, s, x, training)
-                    else:
-                        x = program.run(s, x, training)
+                with tf.device(device):
+                    with tf.control_dependencies(after[s]):  # After the stage's previous one,
+                        x = _anchor(x)
+                    with tf.control_dependencies(_tensors(x)):  # and once x is here.
+                        if taped:
+                            x = placed_call(program.run, device, s, x, training)
+                        else:
+                            x = program.run(s, x, training)
                 after[s] = _tensors(x)
             outputs.append(x)
     with tf.device(devices[-1]):
         return concat_batch(outputs)
 
-
-def step_devices(grid, replica):
-    """The stage devices of pipeline replica `replica` (None: outside a replica: 0)."""
-    return grid[replica or 0]

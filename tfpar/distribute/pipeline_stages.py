@@ -12,6 +12,9 @@ Nested models are one call each: they are not cut. Subclassed models have no
 graph to cut and are refused.
 """
 
+# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# pylint: disable=protected-access
+
 import dataclasses
 
 from tfpar.errors import PlacementError
@@ -61,7 +64,7 @@ class StageProgram:
 
     def standardize(self, inputs):
         """The model's inputs as the flat list stage 0 takes (like Functional.call)."""
-        return list(self.graph._standardize_inputs(inputs))  # pylint: disable=protected-access
+        return list(self.graph._standardize_inputs(inputs))
 
     def run(self, index, inputs, training):
         """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
@@ -84,15 +87,15 @@ class StageProgram:
         if stage.output_tensor is not None:
             return values[id(stage.output_tensor)]
         outputs = [values[id(t)] for t in graph.outputs]
-        return unpack_singleton(tree.pack_sequence_as(graph._outputs_struct, outputs))  # pylint: disable=protected-access
+        return unpack_singleton(tree.pack_sequence_as(graph._outputs_struct, outputs))
 
     def call_losses(self, index):
         """Losses the stage's layers added while they last ran (`add_loss`, activity
         regularizers)."""
         losses, seen = [], set()
         for layer in self.stages[index].layers:
-            for sub in layer._flatten_layers():  # pylint: disable=protected-access
-                for loss in sub._get_own_losses():  # pylint: disable=protected-access
+            for sub in layer._flatten_layers():
+                for loss in sub._get_own_losses():
                     if id(loss) not in seen:
                         seen.add(id(loss))
                         losses.append(loss)
@@ -101,7 +104,7 @@ class StageProgram:
     def regularization_losses(self, index):
         """The weight-regularizer losses of the layers the stage owns."""
         return [loss for layer in self.stages[index].regularized_layers
-                for loss in layer._get_regularization_losses()]  # pylint: disable=protected-access
+                for loss in layer._get_regularization_losses()]
 
 
 def functional_graph(model):
@@ -127,7 +130,7 @@ def functional_graph(model):
 
 
 def _ordered_nodes(graph):
-    nodes_by_depth = graph._nodes_by_depth  # pylint: disable=protected-access
+    nodes_by_depth = graph._nodes_by_depth
     return [node for depth in sorted(nodes_by_depth, reverse=True)
             for node in nodes_by_depth[depth] if node.operation is not None and not node.is_input]
 
@@ -196,7 +199,7 @@ def build_program(model, num_stages):
         regularized = [layer for layer in layers if id(layer) not in owned_layers]
         owned_layers.update(id(layer) for layer in layers)
         seeds = _distinct(sg.state for layer in layers
-                          for sub in layer._flatten_layers()  # pylint: disable=protected-access
+                          for sub in layer._flatten_layers()
                           for sg in getattr(sub, "_seed_generators", ()))
         stages.append(Stage(
             index=index, nodes=stage_nodes,
