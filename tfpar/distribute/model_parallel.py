@@ -181,17 +181,9 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
 
     def _place(self, model):
         with self._lock:
-            placed_by = getattr(model, "_tfpar_placed_by", None)
-            if placed_by is self and id(model) in self._reports:
+            if not claim_model(self, model, id(model) in self._reports,
+                               "its layers' sizes are unknown"):
                 return
-            if placed_by is not None:
-                raise PlacementError(
-                    f"Model {model.name!r} is already placed by {placed_by!r} (alone or "
-                    f"inside another model); place the outer model once.")
-            if not _is_built(model):
-                raise PlacementError(
-                    f"Model {model.name!r} is not built, so its layers' sizes are unknown. "
-                    f"Build it first: call it on a batch, or give it an Input.")
             units = placement_units(model)
             if not units:
                 raise PlacementError(f"Model {model.name!r} has no layers to place.")
@@ -373,6 +365,22 @@ class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
             slot, colocated = self._colocated.get(id(value), (lambda: None, lambda: None))
             if slot() is value and colocated() is not None and id(colocated()) in moved:
                 placement_lib.move_variable(variable, moved[id(colocated())][1])
+
+
+def claim_model(strategy, model, placed, why_built):
+    """False when `strategy` has placed `model` already; raises if it cannot place it."""
+    placed_by = getattr(model, "_tfpar_placed_by", None)
+    if placed_by is strategy and placed:
+        return False
+    if placed_by is not None:
+        raise PlacementError(
+            f"Model {model.name!r} is already placed by {placed_by!r} (alone or "
+            f"inside another model); place the outer model once.")
+    if not _is_built(model):
+        raise PlacementError(
+            f"Model {model.name!r} is not built, so {why_built}. Build it first: call it "
+            f"on a batch, or give it a keras.Input.")
+    return True
 
 
 def placement_units(model):

@@ -51,7 +51,7 @@ from tfpar.distribute import mirrored_placement
 from tfpar.distribute import pipeline_exec
 from tfpar.distribute import pipeline_stages
 from tfpar.distribute.cross_device import make_cross_device_ops
-from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_built, _is_model
+from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_model, claim_model
 from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.plan import schedule as schedule_lib
@@ -217,17 +217,10 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
 
     def _place(self, model):
         with self._lock:
-            placed_by = getattr(model, "_tfpar_placed_by", None)
-            if placed_by is self and getattr(model, "_tfpar_pipeline", None) is not None:
+            if not claim_model(
+                    self, model, getattr(model, "_tfpar_pipeline", None) is not None,
+                    "it cannot be cut into stages"):
                 return
-            if placed_by is not None:
-                raise PlacementError(
-                    f"Model {model.name!r} is already placed by {placed_by!r} (alone or "
-                    f"inside another model); place the outer model once.")
-            if not _is_built(model):
-                raise PlacementError(
-                    f"Model {model.name!r} is not built, so it cannot be cut into stages. "
-                    f"Build it first: call it on a batch, or give it a keras.Input.")
             program = pipeline_stages.build_program(model, self.num_stages)
             with tf.init_scope():
                 for stage in program.stages:
