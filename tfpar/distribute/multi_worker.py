@@ -6,7 +6,7 @@ from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
 from tfpar import keras_seam
-from tfpar.cluster.tf_config import ClusterConfig, parse_tf_config
+from tfpar.distribute.cluster import cluster_config
 from tfpar.distribute import group_keys
 from tfpar.distribute.data_parallel import (
     DataParallelStrategy, check_bytes_per_pack, check_first_batch)
@@ -29,11 +29,7 @@ def cluster_worker_count(cluster_resolver=None):
 
     TF_CONFIG is validated here, so a malformed one fails fast with a clear error.
     """
-    if cluster_resolver is not None:
-        spec = cluster_resolver.cluster_spec().as_dict()
-        config = ClusterConfig({job: tuple(tasks) for job, tasks in spec.items()}) if spec else None
-    else:
-        config = parse_tf_config()
+    config = cluster_config(cluster_resolver)
     if config is None:
         return 0
     if config.num_ps:

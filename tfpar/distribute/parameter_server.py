@@ -23,24 +23,13 @@ from tensorflow.python.distribute.coordinator import cluster_coordinator
 
 from tfpar import keras_seam
 from tfpar.cluster.probe import unreachable_tasks
-from tfpar.cluster.tf_config import ClusterConfig, check_parameter_server_cluster, parse_tf_config
+from tfpar.cluster.tf_config import check_parameter_server_cluster
+from tfpar.distribute.cluster import cluster_config
 from tfpar.errors import ClusterError
 
 ASYNC = "async"
 SYNC = "sync"
 MODES = (ASYNC, SYNC)
-
-
-def cluster_config(cluster_resolver=None):
-    """The validated ClusterConfig of `cluster_resolver`, or of TF_CONFIG when None."""
-    if cluster_resolver is None:
-        return parse_tf_config()
-    spec = cluster_resolver.cluster_spec().as_dict()
-    if not spec:
-        return None
-    cluster = {job: tuple(tasks.values()) if isinstance(tasks, dict) else tuple(tasks)
-               for job, tasks in spec.items()}
-    return ClusterConfig(cluster, cluster_resolver.task_type, cluster_resolver.task_id)
 
 
 class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
