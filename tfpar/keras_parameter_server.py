@@ -346,18 +346,22 @@ class _SyncEpochs:
         self.iterator = iter(data.dataset.repeat())
         self.gradients = _cached(model, ("sync", self.parts), lambda: SyncGradients(
             self.strategy, model.trainable_weights, self.parts))
-        self._steps = {}
 
+    # Steps are cached on the model (like the gradient slots), so a second fit reuses
+    # the traced functions instead of tracing new ones.
     def _part_step(self, part):
+        model, gradients = self.model, self.gradients
+
         def step(data):
-            self.gradients.store(part, _forward_backward(self.model, data), _batch_size(data))
-        return self._steps.setdefault(("part", part), step)
+            gradients.store(part, _forward_backward(model, data), _batch_size(data))
+        return _cached(model, ("sync_part", self.parts, part), lambda: step)
 
     def _apply_step(self, num_parts):
+        model, gradients = self.model, self.gradients
+
         def step(total):
-            self.model.optimizer.apply(self.gradients.mean(num_parts, total),
-                                       self.model.trainable_weights)
-        return self._steps.setdefault(("apply", num_parts), step)
+            model.optimizer.apply(gradients.mean(num_parts, total), model.trainable_weights)
+        return _cached(model, ("sync_apply", self.parts, num_parts), lambda: step)
 
     def run(self, steps, callbacks):
         from keras.src import tree
