@@ -10,8 +10,19 @@ write; every worker still reads the chief's backup when a run resumes.
 import functools
 import threading
 
-_installed = False
 _lock = threading.Lock()
+
+
+def _wrap_once(owner, name, wrap, marker):
+    """Replaces `owner.name` by `wrap(original)` unless already done (the wrapper carries
+    the attribute `marker`). Thread-safe."""
+    with _lock:
+        original = getattr(owner, name)
+        if getattr(original, marker, False):
+            return
+        wrapper = functools.wraps(original)(wrap(original))
+        setattr(wrapper, marker, True)
+        setattr(owner, name, wrapper)
 
 
 def _is_non_chief_worker(callback):
@@ -22,32 +33,21 @@ def _is_non_chief_worker(callback):
 
 
 def _chief_only(method):
-    @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if _is_non_chief_worker(self):
             return None
         return method(self, *args, **kwargs)
-
-    wrapper._tfpar_chief_only = True
     return wrapper
 
 
 def install_multi_worker_callbacks():
     """Makes Keras' file-writing callbacks write on the chief only. Idempotent."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        import keras
+    import keras
 
-        targets = [(keras.callbacks.BackupAndRestore, "_save_model"),
-                   (keras.callbacks.BackupAndRestore, "on_train_end"),
-                   (keras.callbacks.ModelCheckpoint, "_save_model")]
-        for cls, name in targets:
-            method = getattr(cls, name)
-            if not getattr(method, "_tfpar_chief_only", False):
-                setattr(cls, name, _chief_only(method))
-        _installed = True
+    for cls, name in [(keras.callbacks.BackupAndRestore, "_save_model"),
+                      (keras.callbacks.BackupAndRestore, "on_train_end"),
+                      (keras.callbacks.ModelCheckpoint, "_save_model")]:
+        _wrap_once(cls, name, _chief_only, "_tfpar_chief_only")
 
 
 def install_parameter_server_training():
@@ -65,23 +65,18 @@ def install_parameter_server_training():
 
 def install_model_call_hook():
     """Lets a strategy act before each call of a model created under its scope. Idempotent."""
-    with _lock:
-        import keras
+    import keras
 
-        if getattr(keras.Model.__call__, "_tfpar_model_call_hook", False):
-            return
-        model_call = keras.Model.__call__
-
-        @functools.wraps(model_call)
+    def wrap(model_call):
         def __call__(self, *args, **kwargs):
             hook = getattr(getattr(self, "_distribute_strategy", None),
                            "_tfpar_before_model_call", None)
             if hook is not None:
                 hook(self, args, kwargs)
             return model_call(self, *args, **kwargs)
+        return __call__
 
-        __call__._tfpar_model_call_hook = True
-        keras.Model.__call__ = __call__
+    _wrap_once(keras.Model, "__call__", wrap, "_tfpar_model_call_hook")
 
 
 # --- Pipeline training -------------------------------------------------------------
@@ -94,19 +89,14 @@ def install_model_call_hook():
 
 def install_train_step_hook():
     """Lets a strategy build the train step of models created under its scope. Idempotent."""
-    with _lock:
-        import keras
+    import keras
 
-        if getattr(keras.Model.train_step, "_tfpar_train_step_hook", False):
-            return
-        train_step = keras.Model.train_step
-
-        @functools.wraps(train_step)
+    def wrap(train_step):
         def wrapper(self, data):
             step = getattr(getattr(self, "_distribute_strategy", None), "_tfpar_train_step", None)
             if step is not None:
                 return step(self, data)
             return train_step(self, data)
+        return wrapper
 
-        wrapper._tfpar_train_step_hook = True
-        keras.Model.train_step = wrapper
+    _wrap_once(keras.Model, "train_step", wrap, "_tfpar_train_step_hook")
