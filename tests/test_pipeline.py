@@ -468,10 +468,29 @@ def test_batches_that_do_not_split_into_micro_batches_fail_clearly(data):
     model = pipelined(strategy)
     with pytest.raises(BatchSizeError, match="A batch of 10 examples does not split evenly"):
         model.train_on_batch(x[:10], y[:10])
-    # Known only when the step runs: the last partial batch of an epoch.
-    with pytest.raises(tf.errors.InvalidArgumentError, match="does not split evenly into 4 "
+    # Known only when the step runs: a last partial batch of 2 cannot feed 4 micro-batches.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="has fewer examples than its 4 "
                                                              "micro-batches"):
         model.fit(x[:18], y[:18], batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("devices, replicas, schedule", [(2, 1, "gpipe"), (2, 1, "1f1b"),
+                                                         (4, 2, "gpipe")])
+def test_a_last_partial_batch_trains_like_the_unsplit_model(devices, replicas, schedule, data):
+    # 22 examples in batches of 8: the last batch of 6 does not split into 4 micro-batches
+    # (2, 2, 1, 1), nor with 2 replicas into 2 (3 per replica: 2, 1). Each micro-batch's
+    # mean loss weighs by its share of the batch, so the weights still match.
+    x, y = data
+    weights = np.random.default_rng(2).uniform(0.5, 1.5, 22).astype("float32")
+    kwargs = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, sample_weight=weights)
+    reference = compiled(mlp())
+    history = reference.fit(x[:22], y[:22], **kwargs)
+    strategy = tfpar.PipelineStrategy(cpus(devices), num_micro_batches=4 // replicas,
+                                      schedule=schedule, num_replicas=replicas)
+    model = pipelined(strategy)
+    got = model.fit(x[:22], y[:22], **kwargs)
+    np.testing.assert_allclose(got.history["loss"], history.history["loss"], rtol=1e-5)
+    assert_weights_equal(model.get_weights(), reference.get_weights())
 
 
 # --- The training binary ----------------------------------------------------------------------

@@ -17,8 +17,11 @@ between stages as usual, so the graph is the schedule.
 
 *Scaling.* Keras' default losses are means over the batch. Micro-batch m's loss
 (a mean over its B/M examples, with Keras' 1/replicas scaling) is multiplied by
-1/M, so the summed gradients are those of the mean over the whole batch. A loss
-with reduction "sum" is not scaled. Losses added in `call` (activity
+1/M, so the summed gradients are those of the mean over the whole batch. A batch
+whose size is known only when the step runs (an epoch's last partial batch) may
+not split evenly: its micro-batches differ by at most one example, and each one's
+loss is multiplied by its share of the batch instead. A loss with reduction "sum"
+is not scaled. Losses added in `call` (activity
 regularizers, normalized by batch size) are scaled the same way as the loss; weight
 regularizers are added once per step, by the stage that owns the layer.
 
@@ -84,12 +87,19 @@ def _anchor(structure):
     return tf.nest.map_structure(copy, structure)
 
 
-def split_batch(structure, num_micro_batches, exact):
+def micro_batch_sizes(size, num_micro_batches):
+    """Sizes of `num_micro_batches` parts of `size` rows that differ by at most one row."""
+    base, extra = size // num_micro_batches, size % num_micro_batches
+    return base + tf.cast(tf.range(num_micro_batches) < extra, size.dtype)
+
+
+def split_batch(structure, num_micro_batches, equal, nonempty=False):
     """Splits each tensor of `structure` into `num_micro_batches` parts along axis 0.
 
-    Returns one structure per micro-batch. `exact`: the parts must be equal (else
-    `BatchSizeError` now for a static batch size, or an error when the step runs);
-    otherwise they may differ by one example (for the forward pass alone).
+    Returns one structure per micro-batch. `equal`: the parts must be equal (for a
+    static batch size; one that does not split raises `BatchSizeError`). Otherwise
+    they differ by at most one row, and `nonempty` asks (when the step runs) for at
+    least one row in each.
     """
     leaves = tf.nest.flatten(structure)
     tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
@@ -97,21 +107,18 @@ def split_batch(structure, num_micro_batches, exact):
         return [structure] * num_micro_batches
     static, size = tensors[0].shape[0], tf.shape(tensors[0])[0]
     checks = []
-    if exact and static is not None:
-        check_micro_batches(int(static), num_micro_batches)
-        splits = num_micro_batches
-    elif exact:
-        checks.append(tf.debugging.Assert(
-            tf.logical_and(size >= num_micro_batches,
-                           tf.equal(tf.math.floormod(size, num_micro_batches), 0)),
-            [f"tfpar.PipelineStrategy: a batch (per pipeline replica) does not split evenly into "
-             f"{num_micro_batches} micro-batches. Use a batch size that is a multiple of "
-             f"num_replicas x num_micro_batches, or drop the last partial batch "
-             f"(dataset.batch(..., drop_remainder=True)). Batch size:", size]))
+    if equal:
+        if static is not None:
+            check_micro_batches(int(static), num_micro_batches)
         splits = num_micro_batches
     else:
-        base, extra = size // num_micro_batches, size % num_micro_batches
-        splits = base + tf.cast(tf.range(num_micro_batches) < extra, size.dtype)
+        splits = micro_batch_sizes(size, num_micro_batches)
+        if nonempty and (static is None or static < num_micro_batches):
+            checks.append(tf.debugging.Assert(size >= num_micro_batches, [
+                f"tfpar.PipelineStrategy: a batch (per pipeline replica) has fewer examples "
+                f"than its {num_micro_batches} micro-batches. Use batches of at least "
+                f"num_replicas x num_micro_batches examples, or drop the last partial batch "
+                f"(dataset.batch(..., drop_remainder=True)). Batch size:", size]))
     parts = []
     with tf.control_dependencies(checks):
         for leaf in leaves:
@@ -148,20 +155,25 @@ def has_custom_compute_loss(model):
     return type(model).compute_loss is not Trainer.compute_loss
 
 
-def loss_factor(model, num_micro_batches):
-    """What each micro-batch's compiled loss is multiplied by so that they sum to the batch's."""
+def loss_factor(model, share):
+    """What a micro-batch's compiled loss is multiplied by so that they sum to the batch's.
+
+    `share`: the micro-batch's fraction of the batch's examples. Means are weighted by
+    it; sums add up as they are.
+    """
     compile_loss = getattr(model, "_compile_loss", None)
     entries = getattr(compile_loss, "_flat_losses", None) or ()
     reductions = {getattr(entry[1], "reduction", "sum_over_batch_size") for entry in entries}
     if reductions <= set(_MEAN_REDUCTIONS):
-        return 1.0 / num_micro_batches
+        return share
     if reductions == {"sum"}:
         return 1.0
     raise ValueError(
         f"PipelineStrategy adds the losses of micro-batches to get the loss of the batch, "
         f"which works for losses with reduction 'sum_over_batch_size' (Keras' default), "
         f"'mean' or 'sum', all alike. The compiled losses use reductions "
-        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions.")
+        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions."
+    )
 
 
 class TrainStep:
@@ -199,18 +211,28 @@ class TrainStep:
         """Builds the step; returns (loss, y_pred, gradients of model.trainable_weights)."""
         m = self.schedule.num_micro_batches
         first = next((t for t in tf.nest.flatten(x) if isinstance(t, tf.Tensor)), None)
-        if first is not None and first.shape.rank and first.shape[0] is not None:
-            # A static batch size: fail now, speaking of the global batch.
+        # A batch size known now must split into equal micro-batches (fail now, speaking
+        # of the global batch). One known only when the step runs (an epoch's last
+        # partial batch) may not: its micro-batches differ by at most one example, and
+        # each one's mean loss is weighted by its share of the batch.
+        equal = first is None or not first.shape.rank or first.shape[0] is not None
+        if equal and first is not None and first.shape.rank:
             check_micro_batches(int(first.shape[0]) * self.num_replicas, m, self.num_replicas)
+        if equal:
+            self.shares = [1.0 / m] * m
+        else:
+            size = tf.shape(first)[0]
+            shares = tf.cast(micro_batch_sizes(size, m), tf.float32) / tf.cast(size, tf.float32)
+            self.shares = tf.unstack(shares, num=m)
         with tf.device(self.devices[0]):
             flat = self.program.standardize(x)
-            for i, part in enumerate(split_batch(flat, m, exact=True)):
+            for i, part in enumerate(split_batch(flat, m, equal, nonempty=True)):
                 self.inputs[0][i] = part
         if self.custom_loss:
-            self.x_parts = split_batch(x, m, exact=True)
+            self.x_parts = split_batch(x, m, equal, nonempty=True)
         with tf.device(self.devices[-1]):
-            self.y_parts = split_batch(y, m, exact=True)
-            self.weight_parts = split_batch(sample_weight, m, exact=True)
+            self.y_parts = split_batch(y, m, equal, nonempty=True)
+            self.weight_parts = split_batch(sample_weight, m, equal, nonempty=True)
         with tf.name_scope(f"pipeline_r{self.replica}"):
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
@@ -244,8 +266,8 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         y = self.program.run(s, x, training=True)
         aux = self.program.call_losses(s) if not self.custom_loss else []
-        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32)
-               * (1.0 / self.schedule.num_micro_batches) for l in aux]
+        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32) * self.shares[m]
+               for l in aux]
         if s < self.schedule.num_stages - 1:
             if not rerun:
                 self.losses.extend(aux)
@@ -267,10 +289,10 @@ class TrainStep:
             loss = model._compute_loss(
                 x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
                 sample_weight=self.weight_parts[m], training=True)
-            factor = 1.0 / self.schedule.num_micro_batches
+            factor = self.shares[m]
         elif getattr(model, "_compile_loss", None) is not None:
             loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
-            factor = loss_factor(model, self.schedule.num_micro_batches)
+            factor = loss_factor(model, self.shares[m])
         else:
             return None
         return None if loss is None else tf.cast(loss, tf.float32) * factor
@@ -372,10 +394,11 @@ def forward(program, devices, num_micro_batches, inputs, training):
 
     Each stage runs its micro-batches in order on its device. Under a gradient tape
     (a custom training loop) every stage call is a `placed_call`, so its backward
-    runs on its device too. Micro-batches may differ in size by one example unless
-    `training`.
+    runs on its device too. Micro-batches may differ in size by one example; when
+    `training`, each needs at least one.
     """
-    parts = split_batch(program.standardize(inputs), num_micro_batches, exact=bool(training))
+    parts = split_batch(program.standardize(inputs), num_micro_batches, equal=False,
+                        nonempty=bool(training))
     taped = record.could_possibly_record()
     after = [[] for _ in program.stages]
     outputs = []
