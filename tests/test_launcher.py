@@ -24,10 +24,10 @@ def _alive(pid):
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def _launch(tmp_path, code, workers=2, ps=0, **kwargs):
+def _launch(tmp_path, code, workers=2, ps=0, server="import time; time.sleep(600)", **kwargs):
     lines = []
     launcher = Launcher([PY, "-c", code], workers, ps, output=lines.append,
-                        server_command=[PY, "-c", "import time; time.sleep(600)"], **kwargs)
+                        server_command=[PY, "-c", server], **kwargs)
     return launcher.run(), lines, launcher
 
 
@@ -86,6 +86,27 @@ def test_a_failing_task_stops_all_and_its_code_is_returned(tmp_path):
     assert len(pids) == 6
     time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "processes left behind"
+
+
+def test_after_a_ps_dies_the_chief_gets_time_to_explain(tmp_path):
+    # Servers (workers and the ps here) exit with code 3 after half a second.
+    dying_server = "import time, sys; time.sleep(0.5); sys.exit(3)"
+    chief = "import time; time.sleep(2); print('lost ps:0, resume from the checkpoint'); exit(5)"
+    start = time.monotonic()
+    exit_code, lines, launcher = _launch(tmp_path, chief, workers=1, ps=1, server=dying_server,
+                                         report_seconds=30)
+    assert exit_code == 5, lines
+    assert time.monotonic() - start < 20
+    assert lines[0] == "[launcher] ps:0 exited with code 3: waiting up to 30s for the chief to stop"
+    assert "[chief:0] lost ps:0, resume from the checkpoint" in lines
+    assert lines[-1] == "[launcher] chief:0 exited with code 5: stopping all tasks"
+    # A chief that says nothing is stopped once its time is up; the ps's code is returned.
+    exit_code, lines, launcher = _launch(tmp_path, "import time; time.sleep(600)", workers=1, ps=1,
+                                         server=dying_server, report_seconds=1, grace_seconds=2)
+    assert exit_code == 3, lines
+    assert lines[-1] == ("[launcher] the chief still runs 1s after ps:0 exited: "
+                         "stopping all tasks")
+    assert all(t.process.poll() is not None for t in launcher.tasks)
 
 
 @pytest.mark.slow

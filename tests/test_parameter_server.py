@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -166,29 +168,58 @@ def test_server_refuses_the_chief_task():
     assert "tfpar.server serves 'worker' and 'ps' tasks" in result.stderr
 
 
+def _children_of(parent_pid, job):
+    """Pids of `parent_pid`'s child processes whose TF_CONFIG task type is `job`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            if json.loads(env[b"TF_CONFIG"])["task"]["type"] == job:
+                found.append(int(entry))
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
 @pytest.mark.slow
 def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
-    args = ["-m", "tfpar.train", "--strategy=ps", "--epochs=4", "--verbose=2",
-            f"--model_dir={tmp_path}"]
-    first = Cluster(2, 1)
+    # All through the launcher, as a user would run it.
+    command = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--",
+               sys.executable, "-m", "tfpar.train", "--strategy=ps", "--epochs=4",
+               "--verbose=2", f"--model_dir={tmp_path}"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
     try:
-        first.start_servers()
-        first.start(args, "chief", 0)
-        first.wait_for("Epoch 3/4", "chief:0", timeout=180)
+        deadline = time.monotonic() + 180
+        while not any(l.startswith("[chief:0] Epoch 3/4") for l in list(lines)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.2)
+        [ps] = _children_of(launcher.pid, "ps")
         killed_at = time.monotonic()
-        first.kill("ps:0")
-        assert first.wait(["chief:0"], timeout=120) != [0]
+        os.kill(ps, signal.SIGKILL)
+        assert launcher.wait(timeout=120) != 0
         assert time.monotonic() - killed_at < 60
-        out = first.output("chief:0")
-        assert "tfpar: A parameter server stopped responding (ps:0" in out, out[-4000:]
-        assert "final:" not in out
     finally:
-        first.kill_all()
-    # The rerun goes through the launcher, as a user would start it.
-    result = subprocess.run(
-        [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--", sys.executable,
-         *args], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)  # The launcher stops its tasks.
+            launcher.wait(timeout=60)
+    reader.join(10)
+    out = "".join(lines)
+    # The launcher waits for the chief, whose error says what was lost and what to do.
+    assert "[launcher] ps:0 exited with code -9: waiting up to 60s for the chief to stop" in out
+    assert "tfpar: A parameter server stopped responding (ps:0" in out, out[-4000:]
+    assert "[launcher] chief:0 exited with code 1: stopping all tasks" in out, out[-2000:]
+    assert "final:" not in out
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-4000:]
     out = "\n".join(l for l in result.stdout.splitlines() if l.startswith("[chief:0]"))
     assert re.findall(r"Epoch (\d)/4", out) == ["3", "4"], out[-4000:]

@@ -17,6 +17,9 @@ flags.DEFINE_integer("workers", 2, "Worker tasks.")
 flags.DEFINE_integer("ps", 0, "Parameter-server tasks (adds a chief that runs the command).")
 flags.DEFINE_string("host", "127.0.0.1", "Address the tasks bind to.")
 flags.DEFINE_float("grace_seconds", 5.0, "Seconds between SIGTERM and SIGKILL when stopping.")
+flags.DEFINE_float("report_seconds", 60.0,
+                   "After a ps task dies, seconds the chief gets to fail with its own error "
+                   "before all tasks are stopped.")
 
 
 def main(argv):
@@ -26,7 +29,8 @@ def main(argv):
     if command and command[0] == "--":
         command = command[1:]
     try:
-        launcher = Launcher(command, FLAGS.workers, FLAGS.ps, FLAGS.host, FLAGS.grace_seconds)
+        launcher = Launcher(command, FLAGS.workers, FLAGS.ps, FLAGS.host, FLAGS.grace_seconds,
+                            report_seconds=FLAGS.report_seconds)
     except ValueError as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2

@@ -71,13 +71,16 @@ class Launcher:
     """Runs one process per task of a local cluster. Use `run()`; see `tfpar launch`."""
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
-                 server_command=SERVER_COMMAND, env=None, output=None):
+                 server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
         self.command = list(command)
         self.cluster = make_cluster(workers, ps, host)
         self.grace_seconds = grace_seconds
+        # After a ps dies, the chief gets this long to fail on its own: its error says
+        # which task was lost and how to resume, which the launcher cannot.
+        self.report_seconds = report_seconds
         self.server_command = list(server_command)
         self.env = dict(os.environ if env is None else env)
         self._lock = threading.Lock()
@@ -92,8 +95,9 @@ class Launcher:
         """(config, command, runs_user_code, fatal) for every task.
 
         The run succeeds when every task running the user's command exits 0; it fails
-        when one of those fails, or a ps task dies (its variables are gone). A worker
-        server that dies is not fatal: a parameter-server coordinator reschedules its work.
+        when one of those fails, or a ps task dies (its variables are gone; the chief
+        gets `report_seconds` to fail with its own error first). A worker server that
+        dies is not fatal: a parameter-server coordinator reschedules its work.
         """
         has_ps = "ps" in self.cluster
         plan = []
@@ -129,18 +133,28 @@ class Launcher:
                 user_tasks.append(task)
             if fatal:
                 fatal_tasks.append(task)
+        lost, report_deadline = None, None  # A dead server task, and the chief's time to say so.
         while True:
             if self._interrupted is not None:
                 self._output(f"[launcher] got signal {self._interrupted}: stopping all tasks")
                 return 128 + self._interrupted
             for task in fatal_tasks:
                 code = task.process.poll()
-                if code not in (None, 0):
+                if code in (None, 0) or task is lost:
+                    continue
+                if task in user_tasks or lost is not None:
                     self._output(f"[launcher] {task.name} exited with code {code}: "
                                  f"stopping all tasks")
                     return code
+                lost, report_deadline = task, time.monotonic() + self.report_seconds
+                self._output(f"[launcher] {task.name} exited with code {code}: waiting up to "
+                             f"{self.report_seconds:g}s for the chief to stop")
             if all(t.process.poll() == 0 for t in user_tasks):
-                return 0
+                return 0  # The chief finished: the run did what it was for.
+            if lost is not None and time.monotonic() > report_deadline:
+                self._output(f"[launcher] the chief still runs {self.report_seconds:g}s after "
+                             f"{lost.name} exited: stopping all tasks")
+                return lost.process.returncode
             time.sleep(0.1)
 
     def stop(self):
