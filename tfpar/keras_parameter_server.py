@@ -30,7 +30,6 @@ overrides `train_step` keeps its own step (in async mode).
 """
 
 import functools
-import threading
 
 import numpy as np
 import tensorflow as tf
@@ -38,29 +37,22 @@ from tensorflow.python.distribute import sharded_variable
 
 from tfpar.distribute.parameter_server import SYNC, SyncGradients
 
-_installed = False
-_lock = threading.Lock()
+def patches():
+    """What tfpar replaces in Keras for parameter servers: (owner, attribute, wrap).
 
+    `wrap(original)` returns the replacement; `keras_seam` applies each one once.
+    """
+    from keras.src.backend.tensorflow import core, optimizer, trainer
 
-def install():
-    """Routes Keras' fit/evaluate/predict of tfpar PS models here. Idempotent."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        from keras.src.backend.tensorflow import core, optimizer, trainer
-
-        for name, loop in (("fit", fit), ("evaluate", evaluate), ("predict", predict)):
-            setattr(trainer.TensorFlowTrainer, name,
-                    _dispatch(getattr(trainer.TensorFlowTrainer, name), loop))
-        core.Variable.assign_add = _atomic(core.Variable.assign_add, "assign_add")
-        core.Variable.assign_sub = _atomic(core.Variable.assign_sub, "assign_sub")
-        optimizer.TFOptimizer.add_variable_from_reference = _uncolocated_for_shards(
-            optimizer.TFOptimizer.add_variable_from_reference)
-        core.Variable.__array__ = _sharded_as_array(core.Variable.__array__)
-        optimizer.TFOptimizer._distributed_tf_update_step = _sharded_updates_direct(
-            optimizer.TFOptimizer._distributed_tf_update_step)
-        _installed = True
+    return [
+        *[(trainer.TensorFlowTrainer, name, functools.partial(_dispatch, loop=loop))
+          for name, loop in (("fit", fit), ("evaluate", evaluate), ("predict", predict))],
+        (core.Variable, "assign_add", functools.partial(_atomic, name="assign_add")),
+        (core.Variable, "assign_sub", functools.partial(_atomic, name="assign_sub")),
+        (optimizer.TFOptimizer, "add_variable_from_reference", _uncolocated_for_shards),
+        (core.Variable, "__array__", _sharded_as_array),
+        (optimizer.TFOptimizer, "_distributed_tf_update_step", _sharded_updates_direct),
+    ]
 
 
 def _uses_parameter_servers(strategy):

@@ -54,7 +54,8 @@ def install_parameter_server_training():
     """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
     from tfpar import keras_parameter_server
 
-    keras_parameter_server.install()
+    for owner, name, wrap in keras_parameter_server.patches():
+        _wrap_once(owner, name, wrap, "_tfpar_parameter_server")
 
 
 # --- Model parallelism -------------------------------------------------------------
