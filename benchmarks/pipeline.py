@@ -272,6 +272,8 @@ def main():
             "speedup_M8_vs_one_device_1_core": speedup("one device, 1 core"),
             "speedup_M8_vs_one_device": speedup("one device"),
             "1F1B_vs_GPipe_step_time": round(step[one_f_one_b] / step[gpipe], 3),
+            "1F1B_fraction_of_bound": round(
+                speedup("K=2 M=1, 1 core per device", one_f_one_b) / bound, 3),
         },
         "forward": {
             "step_ms": {name: round(s * 1000, 1) for name, s in forward.items()},
@@ -300,8 +302,9 @@ def main():
               f"{row.get('cores_busy', 1.0):6.2f} {row.get('peak_MiB', float('nan')):9.1f}")
     train = result["train"]
     print(f"train: M={m} vs M=1 (one core per device) {train['speedup_M8_vs_M1_1_core_per_device']}"
-          f"x = {100 * train['fraction_of_bound']:.1f}% of the bound {bound:.3f}; vs M=1 with "
-          f"the same threads {train['speedup_M8_vs_M1_same_threads']}x")
+          f"x = {100 * train['fraction_of_bound']:.1f}% of the bound {bound:.3f} (1F1B: "
+          f"{100 * train['1F1B_fraction_of_bound']:.1f}%); vs M=1 with the same threads "
+          f"{train['speedup_M8_vs_M1_same_threads']}x")
     print(f"forward: {result['forward']['step_ms']} -> M={m} vs M=1 "
           f"{result['forward']['speedup_M8_vs_M1']}x = "
           f"{100 * result['forward']['fraction_of_bound']:.1f}% of the bound")
