@@ -75,17 +75,24 @@ def batch(global_batch, shape, seed=0):
             rng.integers(0, 10, global_batch).astype("int32"))
 
 
-def add_single_host_args(parser, out_name):
-    """Arguments of the one-host benchmarks: logical CPUs and the MLP's global batch."""
+def single_host_args(description, out_name):
+    """Parsed arguments of the one-host benchmarks: logical CPUs and the MLP's global batch."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--global_batch", type=int, default=1024)
     add_common_args(parser, width=512, layers=8, steps=20, rounds=7, out_name=out_name)
+    return parser.parse_args()
 
 
-def compiled_steps(strategy, args, replica_step):
-    """A function running `args.steps` compiled steps of `replica_step` on one fixed batch."""
+def mlp_steps(strategy, args):
+    """The MLP built under `strategy`, and a function running `args.steps` compiled SGD
+    steps of it on one fixed global batch."""
     import tensorflow as tf
 
+    with strategy.scope():
+        model, replica_step = mlp_and_step(args, args.global_batch)
     dataset = tf.data.Dataset.from_tensors(batch(args.global_batch, args.width)).repeat()
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
@@ -97,7 +104,7 @@ def compiled_steps(strategy, args, replica_step):
         return total
 
     steps(tf.constant(2))  # trace, place and warm up
-    return lambda: float(steps(tf.constant(args.steps)))
+    return model, lambda: float(steps(tf.constant(args.steps)))
 
 
 def time_rounds(runners, rounds, steps):

@@ -8,7 +8,6 @@ rounds in one process, so drift on the shared machine hits all of them alike.
 Prints a table and writes JSON (default benchmarks/results/data_parallel.json).
 """
 
-import argparse
 import os
 import platform
 import statistics
@@ -16,24 +15,11 @@ import statistics
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from _common import (  # noqa: E402
-    add_single_host_args, command_line, compiled_steps, mlp_and_step, time_rounds, write_json)
-
-
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_single_host_args(parser, out_name="data_parallel.json")
-    return parser.parse_args()
-
-
-def make_step(strategy, args):
-    """A compiled SGD step of an MLP under `strategy`, fed one fixed global batch."""
-    with strategy.scope():
-        _, replica_step = mlp_and_step(args, args.global_batch)
-    return compiled_steps(strategy, args, replica_step)
+    command_line, mlp_steps, single_host_args, time_rounds, write_json)
 
 
 def main():
-    args = parse_args()
+    args = single_host_args(__doc__.splitlines()[0], "data_parallel.json")
     import tfpar
 
     tfpar.virtual_cpus(args.devices, one_core_each=True)
@@ -51,7 +37,7 @@ def main():
             devices, communication="reduce_to_one"),
         "one device": lambda: tf.distribute.OneDeviceStrategy("/cpu:0"),
     }
-    runners = {name: make_step(make(), args) for name, make in candidates.items()}
+    runners = {name: mlp_steps(make(), args)[1] for name, make in candidates.items()}
     times = time_rounds(runners, args.rounds, args.steps)
 
     step = {name: statistics.median(t) for name, t in times.items()}

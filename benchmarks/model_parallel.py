@@ -11,7 +11,6 @@ the shared machine hits all of them alike. Goal: split <= 1.1x one device.
 Prints a table and writes JSON (default benchmarks/results/model_parallel.json).
 """
 
-import argparse
 import os
 import platform
 import statistics
@@ -19,24 +18,11 @@ import statistics
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from _common import (  # noqa: E402
-    add_single_host_args, command_line, compiled_steps, mlp_and_step, time_rounds, write_json)
-
-
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_single_host_args(parser, out_name="model_parallel.json")
-    return parser.parse_args()
-
-
-def make_step(strategy, args):
-    """A compiled SGD step of the MLP under `strategy`, fed one fixed batch."""
-    with strategy.scope():
-        model, replica_step = mlp_and_step(args, args.global_batch)
-    return model, compiled_steps(strategy, args, replica_step)
+    command_line, mlp_steps, single_host_args, time_rounds, write_json)
 
 
 def main():
-    args = parse_args()
+    args = single_host_args(__doc__.splitlines()[0], "model_parallel.json")
     import tfpar
 
     tfpar.virtual_cpus(args.devices, one_core_each=True)
@@ -51,7 +37,7 @@ def main():
     runners, reports = {}, {}
     for name, make in candidates.items():
         strategy = make()
-        model, runners[name] = make_step(strategy, args)
+        model, runners[name] = mlp_steps(strategy, args)
         if isinstance(strategy, tfpar.ModelParallelStrategy):
             reports[name] = strategy.placement_report(model)
     times = time_rounds(runners, args.rounds, args.steps)
