@@ -87,45 +87,45 @@ def _anchor(structure):
     return tf.nest.map_structure(copy, structure)
 
 
-def micro_batch_sizes(size, num_micro_batches):
-    """Sizes of `num_micro_batches` parts of `size` rows that differ by at most one row."""
+def micro_batch_sizes(size, num_micro_batches, nonempty):
+    """Sizes of `num_micro_batches` parts of `size` rows that differ by at most one row.
+
+    `nonempty`: check, when the step runs, that every part gets a row.
+    """
     base, extra = size // num_micro_batches, size % num_micro_batches
-    return base + tf.cast(tf.range(num_micro_batches) < extra, size.dtype)
+    sizes = base + tf.cast(tf.range(num_micro_batches) < extra, size.dtype)
+    static = tf.get_static_value(size)
+    if not nonempty or (static is not None and static >= num_micro_batches):
+        return sizes
+    check = tf.debugging.Assert(size >= num_micro_batches, [
+        f"tfpar.PipelineStrategy: a batch (per pipeline replica) has fewer examples "
+        f"than its {num_micro_batches} micro-batches. Use batches of at least "
+        f"num_replicas x num_micro_batches examples, or drop the last partial batch "
+        f"(dataset.batch(..., drop_remainder=True)). Batch size:", size])
+    with tf.control_dependencies([check]):
+        return tf.identity(sizes)
 
 
-def split_batch(structure, num_micro_batches, equal, nonempty=False):
+def _batch_tensor(structure):
+    return next((x for x in tf.nest.flatten(structure) if isinstance(x, tf.Tensor)), None)
+
+
+def split_batch(structure, num_micro_batches, sizes=None):
     """Splits each tensor of `structure` into `num_micro_batches` parts along axis 0.
 
-    Returns one structure per micro-batch. `equal`: the parts must be equal (for a
-    static batch size; one that does not split raises `BatchSizeError`). Otherwise
-    they differ by at most one row, and `nonempty` asks (when the step runs) for at
-    least one row in each.
+    Returns one structure per micro-batch. `sizes`: the rows of each part (from
+    `micro_batch_sizes`); None: equal parts (a static batch size that does not
+    split raises `BatchSizeError`).
     """
     leaves = tf.nest.flatten(structure)
-    tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
-    if num_micro_batches == 1 or not tensors:
+    first = _batch_tensor(structure)
+    if num_micro_batches == 1 or first is None:
         return [structure] * num_micro_batches
-    static, size = tensors[0].shape[0], tf.shape(tensors[0])[0]
-    checks = []
-    if equal:
-        if static is not None:
-            check_micro_batches(int(static), num_micro_batches)
-        splits = num_micro_batches
-    else:
-        splits = micro_batch_sizes(size, num_micro_batches)
-        if nonempty and (static is None or static < num_micro_batches):
-            checks.append(tf.debugging.Assert(size >= num_micro_batches, [
-                f"tfpar.PipelineStrategy: a batch (per pipeline replica) has fewer examples "
-                f"than its {num_micro_batches} micro-batches. Use batches of at least "
-                f"num_replicas x num_micro_batches examples, or drop the last partial batch "
-                f"(dataset.batch(..., drop_remainder=True)). Batch size:", size]))
-    parts = []
-    with tf.control_dependencies(checks):
-        for leaf in leaves:
-            if isinstance(leaf, tf.Tensor):
-                parts.append(tf.split(leaf, splits, num=num_micro_batches))
-            else:
-                parts.append([leaf] * num_micro_batches)
+    if sizes is None and first.shape[0] is not None:
+        check_micro_batches(int(first.shape[0]), num_micro_batches)
+    splits = num_micro_batches if sizes is None else sizes
+    parts = [tf.split(leaf, splits, num=num_micro_batches) if isinstance(leaf, tf.Tensor)
+             else [leaf] * num_micro_batches for leaf in leaves]
     return [tf.nest.pack_sequence_as(structure, [p[m] for p in parts])
             for m in range(num_micro_batches)]
 
@@ -172,8 +172,7 @@ def loss_factor(model, share):
         f"PipelineStrategy adds the losses of micro-batches to get the loss of the batch, "
         f"which works for losses with reduction 'sum_over_batch_size' (Keras' default), "
         f"'mean' or 'sum', all alike. The compiled losses use reductions "
-        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions."
-    )
+        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions.")
 
 
 class TrainStep:
@@ -210,29 +209,30 @@ class TrainStep:
     def __call__(self, x, y, sample_weight):
         """Builds the step; returns (loss, y_pred, gradients of model.trainable_weights)."""
         m = self.schedule.num_micro_batches
-        first = next((t for t in tf.nest.flatten(x) if isinstance(t, tf.Tensor)), None)
+        first = _batch_tensor(x)
         # A batch size known now must split into equal micro-batches (fail now, speaking
         # of the global batch). One known only when the step runs (an epoch's last
         # partial batch) may not: its micro-batches differ by at most one example, and
         # each one's mean loss is weighted by its share of the batch.
-        equal = first is None or not first.shape.rank or first.shape[0] is not None
-        if equal and first is not None and first.shape.rank:
-            check_micro_batches(int(first.shape[0]) * self.num_replicas, m, self.num_replicas)
-        if equal:
-            self.shares = [1.0 / m] * m
-        else:
-            size = tf.shape(first)[0]
-            shares = tf.cast(micro_batch_sizes(size, m), tf.float32) / tf.cast(size, tf.float32)
-            self.shares = tf.unstack(shares, num=m)
+        sizes, self.shares = None, [1.0 / m] * m
+        if first is not None and first.shape.rank:
+            if first.shape[0] is not None:
+                check_micro_batches(int(first.shape[0]) * self.num_replicas, m,
+                                    self.num_replicas)
+            elif m > 1:
+                size = tf.shape(first)[0]
+                sizes = micro_batch_sizes(size, m, nonempty=True)
+                self.shares = tf.unstack(
+                    tf.cast(sizes, tf.float32) / tf.cast(size, tf.float32), num=m)
         with tf.device(self.devices[0]):
             flat = self.program.standardize(x)
-            for i, part in enumerate(split_batch(flat, m, equal, nonempty=True)):
+            for i, part in enumerate(split_batch(flat, m, sizes)):
                 self.inputs[0][i] = part
         if self.custom_loss:
-            self.x_parts = split_batch(x, m, equal, nonempty=True)
+            self.x_parts = split_batch(x, m, sizes)
         with tf.device(self.devices[-1]):
-            self.y_parts = split_batch(y, m, equal, nonempty=True)
-            self.weight_parts = split_batch(sample_weight, m, equal, nonempty=True)
+            self.y_parts = split_batch(y, m, sizes)
+            self.weight_parts = split_batch(sample_weight, m, sizes)
         with tf.name_scope(f"pipeline_r{self.replica}"):
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
@@ -397,8 +397,11 @@ def forward(program, devices, num_micro_batches, inputs, training):
     runs on its device too. Micro-batches may differ in size by one example; when
     `training`, each needs at least one.
     """
-    parts = split_batch(program.standardize(inputs), num_micro_batches, equal=False,
-                        nonempty=bool(training))
+    inputs = program.standardize(inputs)
+    first = _batch_tensor(inputs)
+    sizes = None if first is None or num_micro_batches == 1 else micro_batch_sizes(
+        tf.shape(first)[0], num_micro_batches, nonempty=bool(training))
+    parts = split_batch(inputs, num_micro_batches, sizes)
     taped = record.could_possibly_record()
     after = [[] for _ in program.stages]
     outputs = []
