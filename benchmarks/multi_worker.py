@@ -65,11 +65,9 @@ def worker(args):
                                               bytes_per_pack=args.bytes_per_pack if config else None)
     global_batch = args.per_worker_batch * strategy.num_replicas_in_sync
     with strategy.scope():
-        if args.model == "cnn":
-            _, replica_step = cnn_and_step(global_batch)
-        else:
-            _, replica_step = mlp_and_step(args, global_batch)
-    x, y = batch(global_batch, (32, 32, 3) if args.model == "cnn" else args.width, seed=index)
+        model, replica_step = (cnn_and_step(global_batch) if args.model == "cnn"
+                               else mlp_and_step(args, global_batch))
+    x, y = batch(global_batch, model.input_shape[1:], seed=index)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat().with_options(options)
