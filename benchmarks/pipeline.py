@@ -142,7 +142,7 @@ def profiled_cores(run):
     """
     import tensorflow as tf
 
-    from tfpar.distribute.pipeline_trace import profiled_ops
+    from tfpar.viz.pipeline_trace import profiled_ops
 
     logdir = tempfile.mkdtemp(prefix="tfpar_bench_")
     try:

@@ -4,7 +4,7 @@ import types
 
 import keras
 
-from tfpar import keras_seam
+from tfpar.keras import hooks as keras_seam
 
 
 def _callback(multi_worker, chief):

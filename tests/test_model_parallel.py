@@ -535,7 +535,7 @@ def test_placed_call_on_plain_function_and_structures():
 
 
 def test_model_call_hook_installs_once_and_ignores_other_models():
-    from tfpar import keras_seam
+    from tfpar.keras import hooks as keras_seam
 
     keras_seam.install_model_call_hook()
     hook = keras.Model.__call__

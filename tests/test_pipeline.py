@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar.distribute import pipeline as pipeline_lib
-from tfpar.distribute.pipeline_trace import action_of_op
+from tfpar.distribute.pipeline import strategy as pipeline_lib
+from tfpar.viz.pipeline_trace import action_of_op
 from tfpar.errors import BatchSizeError, DeviceError, PlacementError, ScheduleError
 from tfpar.plan.schedule import BACKWARD, bubble_fraction, make_schedule
 

@@ -11,7 +11,7 @@ from tfpar.plan.stages import check_micro_batches, crossing_tensors, stage_range
 
 
 def test_plan_modules_do_not_import_tensorflow():
-    code = ("import sys, tfpar.plan.stages, tfpar.distribute.pipeline_trace; "
+    code = ("import sys, tfpar.plan.stages, tfpar.viz.pipeline_trace; "
             "print('tensorflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
@@ -73,7 +73,7 @@ def test_micro_batch_split_checks():
 def test_trace_files_from_spans(tmp_path):
     from PIL import Image
 
-    from tfpar.distribute.pipeline_trace import (
+    from tfpar.viz.pipeline_trace import (
         action_of_op, action_spans, draw_timeline, write_chrome_trace)
 
     assert action_of_op("pipeline_r1/0F2/dense/MatMul") == (1, "0F2")

@@ -18,7 +18,7 @@ _EXPORTS = {
     "virtual_cpus": "tfpar.devices",
     "DataParallelStrategy": "tfpar.distribute.data_parallel",
     "ModelParallelStrategy": "tfpar.distribute.model_parallel",
-    "PipelineStrategy": "tfpar.distribute.pipeline",
+    "PipelineStrategy": "tfpar.distribute.pipeline.strategy",
     "layers": "tfpar.layers",
     "ParameterServerStrategy": "tfpar.distribute.parameter_server",
     "collectives": "tfpar.distribute.collectives",

@@ -72,7 +72,11 @@ def resolve_devices(devices):
       DeviceError: a device is malformed, does not exist, or is listed twice.
     """
     import tensorflow as tf
-    from tensorflow.python.distribute import device_util
+
+    from tfpar.keras import internals
+
+    canonicalize = internals.symbol(
+        "tensorflow.python.distribute.device_util.canonicalize")
 
     if devices is None:
         devices = default_devices()
@@ -84,7 +88,7 @@ def resolve_devices(devices):
     available = {}
     for kind in ("CPU", "GPU"):
         for d in tf.config.list_logical_devices(kind):
-            available[device_util.canonicalize(d.name)] = d.name
+            available[canonicalize(d.name)] = d.name
     canonical = []
     for device in devices:
         try:
@@ -94,7 +98,7 @@ def resolve_devices(devices):
                 f"Malformed device {device!r}: use a name like '/cpu:0' or '/gpu:1'.") from error
         if not spec.device_type:
             raise DeviceError(f"Device {device!r} names no device type: use '/cpu:0' or '/gpu:1'.")
-        name = device_util.canonicalize(device)
+        name = canonicalize(device)
         if name not in available:
             raise DeviceError(
                 f"Device {device!r} does not exist on this host. Available devices: "

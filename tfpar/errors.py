@@ -31,3 +31,7 @@ class ReplicaContextError(RuntimeError):
 
 class PlacementError(ValueError):
     """Layers cannot be placed on the devices, or cut into stages, as asked."""
+
+
+class InternalsError(RuntimeError):
+    """A Keras or TensorFlow private that tfpar relies on is missing or has changed."""

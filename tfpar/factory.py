@@ -29,7 +29,7 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
         return ModelParallelStrategy(_local_devices(num_devices))
     if name == "pipeline":
-        from tfpar.distribute.pipeline import PipelineStrategy
+        from tfpar.distribute.pipeline.strategy import PipelineStrategy
 
         return PipelineStrategy(_local_devices(num_devices), **(pipeline or {}))
     from tfpar.distribute.data_parallel import DataParallelStrategy

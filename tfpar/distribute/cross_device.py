@@ -1,9 +1,8 @@
 """Builds the cross-device reduction ops for a chosen communication."""
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 
+from tfpar.keras import internals
 from tfpar.plan import communication as comm
 
 
@@ -26,11 +25,13 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
     if communication == comm.REDUCE_TO_ONE:
         return tf.distribute.ReductionToOneDevice()
     if communication == comm.RING:
-        return cross_device_ops_lib.CollectiveAllReduce(
+        options = internals.symbol("tensorflow.python.distribute.collective_util.Options")
+        implementation = internals.symbol(
+            "tensorflow.python.distribute.collective_util.CommunicationImplementation")
+        return internals.symbol(
+            "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
             devices=devices,
             group_size=len(devices),
-            options=collective_util.Options(
-                bytes_per_pack=bytes_per_pack,
-                implementation=collective_util.CommunicationImplementation.RING),
+            options=options(bytes_per_pack=bytes_per_pack, implementation=implementation.RING),
             collective_keys=collective_keys)
     raise ValueError(f"No cross-device ops for communication {communication!r}.")

@@ -1,13 +1,16 @@
-"""Synchronous mirrored data parallelism on one host."""
+"""Synchronous mirrored data parallelism, on one host or across TF_CONFIG workers."""
 
 import tensorflow as tf
-from tensorflow.python.distribute import mirrored_strategy
 
 from tfpar import devices as devices_lib
 from tfpar.distribute import group_keys
+from tfpar.distribute import multi_worker
 from tfpar.distribute.cross_device import make_cross_device_ops
-from tfpar.plan import batching
-from tfpar.plan.communication import select_communication
+from tfpar.distribute.input_checks import check_first_batch
+from tfpar.errors import DeviceError
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
+from tfpar.plan.communication import check_bytes_per_pack, select_communication
 
 
 class DataParallelStrategy(tf.distribute.MirroredStrategy):
@@ -47,10 +50,8 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None):
         if cls is DataParallelStrategy:
-            from tfpar.distribute import multi_worker
-
             if multi_worker.cluster_worker_count(cluster_resolver) > 1:
-                cls = multi_worker.MultiWorkerDataParallelStrategy
+                cls = MultiWorkerDataParallelStrategy
         return super().__new__(cls)
 
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
@@ -74,7 +75,8 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
                 f"communication={self.communication!r})")
 
 
-class _DataParallelExtended(mirrored_strategy.MirroredExtended):
+class _DataParallelExtended(
+        internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack):
@@ -93,42 +95,44 @@ class _DataParallelExtended(mirrored_strategy.MirroredExtended):
         return super()._experimental_distribute_dataset(dataset, options)
 
 
-def check_bytes_per_pack(bytes_per_pack, default):
-    """Validates `bytes_per_pack`; None becomes `default`."""
-    if bytes_per_pack is None:
-        return default
-    if not isinstance(bytes_per_pack, int) or isinstance(bytes_per_pack, bool) or bytes_per_pack < 0:
-        raise ValueError(
-            f"bytes_per_pack must be an integer >= 0 (or None). Received: {bytes_per_pack!r}")
-    return bytes_per_pack
+class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
 
-
-def check_first_batch(dataset, num_replicas):
-    """Fails fast when a dataset's global batch cannot feed every replica.
-
-    A static batch dimension is checked now. Otherwise the first batch is checked
-    when it is read (later batches may be a legitimate last partial batch).
+    It is also a `tf.distribute.MultiWorkerMirroredStrategy`, so Keras takes its
+    multi-worker paths (gathering predictions across workers, for example).
     """
-    if num_replicas < 2:
-        return dataset
-    first = tf.nest.flatten(dataset.element_spec)[0]
-    shape = getattr(first, "shape", None)
-    if shape is None or shape.rank in (None, 0):
-        return dataset
-    if shape[0] is not None:
-        batching.check_global_batch(int(shape[0]), num_replicas)
-        return dataset
-    message = (
-        f"The global batch size is smaller than the number of replicas ({num_replicas}): "
-        f"every replica needs at least one example. Use a global batch size of at "
-        f"least {num_replicas}, ideally a multiple of it, or use fewer devices.")
 
-    def check(index, element):
-        size = tf.shape(tf.nest.flatten(element)[0])[0]
-        ok = tf.logical_or(index > 0, size >= num_replicas)
-        with tf.control_dependencies([tf.debugging.Assert(ok, [message, "Got:", size])]):
-            return tf.nest.map_structure(
-                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t, element)
+    _tfpar_multi_worker = True
 
-    return dataset.enumerate().map(check)
+    def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
+                 cluster_resolver=None, timeout_seconds=None):
+        if devices is not None:
+            raise DeviceError(
+                "devices cannot be chosen across workers: each worker uses all its GPUs, or "
+                "its CPU. Pass devices=None.")
+        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        gpus = tf.config.list_physical_devices("GPU")
+        self.communication = select_communication(
+            communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True)
+        options = internals.symbol("tensorflow.python.distribute.collective_util.Options")(
+            bytes_per_pack=check_bytes_per_pack(
+                bytes_per_pack, multi_worker.MULTI_WORKER_PACK_BYTES),
+            timeout_seconds=timeout_seconds,
+            implementation=multi_worker.implementation(self.communication))
+        self._collective_key_base = group_keys.next_key_base()
+        extended = multi_worker.MultiWorkerExtended(
+            self, cluster_resolver=resolver, communication_options=options)
+        super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
+        keras_hooks.install_multi_worker_callbacks()
 
+    def reduce(self, reduce_op, value, axis):
+        # Keras' multi-worker path reduces scalar step outputs (loss, metrics) with
+        # axis=0, which fails on a scalar; the mean over replicas is what it means.
+        if axis is not None and multi_worker.rank(value) == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
+
+    def __repr__(self):
+        workers = internals.attr(self.extended, "_num_workers")
+        return (f"DataParallelStrategy(workers={workers}, "
+                f"replicas={self.num_replicas_in_sync}, communication={self.communication!r})")

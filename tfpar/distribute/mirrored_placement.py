@@ -16,16 +16,19 @@ variable.
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.ops import resource_variable_ops
 
 from tfpar.distribute.placement import canonical_device
+from tfpar.keras import internals
 
 
 def distributed_value(variable):
     """The `tf.distribute` variable inside a Keras variable (or itself), or None."""
-    value = getattr(variable, "_value", variable)
-    return value if isinstance(value, values_lib.DistributedVariable) else None
+    distributed_variable = internals.symbol(
+        "tensorflow.python.distribute.values.DistributedVariable")
+    if isinstance(variable, distributed_variable):
+        return variable
+    value = internals.attr(variable, "_value")
+    return value if isinstance(value, distributed_variable) else None
 
 
 def move_copies(variable, devices):
@@ -37,7 +40,7 @@ def move_copies(variable, devices):
     distributed = distributed_value(variable)
     if distributed is None:
         return False
-    copies = distributed._values
+    copies = internals.attr(distributed, "_values")
     if len(copies) != len(devices):
         raise ValueError(
             f"Variable {distributed.name} has {len(copies)} copies but {len(devices)} devices "
@@ -51,12 +54,13 @@ def move_copies(variable, devices):
             with tf.device(device):
                 # The class itself, not tf.Variable: that would ask the strategy in
                 # scope to make yet another distributed variable.
-                new = resource_variable_ops.ResourceVariable(
+                new = internals.symbol(
+                    "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(
                     initial_value=old.read_value(), trainable=old.trainable,
                     name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
                     aggregation=old.aggregation, synchronization=old.synchronization)
             # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
-            new._unique_id = old._unique_id
+            new._unique_id = internals.attr(old, "_unique_id")
             new.handle._distributed_container = weakref.ref(distributed)
             moved.append(new)
             changed = True
@@ -67,4 +71,4 @@ def move_copies(variable, devices):
 def devices_of(variable):
     """The devices of a distributed variable's copies, canonical."""
     distributed = distributed_value(variable)
-    return tuple(canonical_device(v.device) for v in distributed._values)
+    return tuple(canonical_device(v.device) for v in internals.attr(distributed, "_values"))

@@ -10,7 +10,7 @@ How it works:
 - *When placement is applied.* The strategy places a model created under its
   scope just before the model first runs: Keras' own symbolic build in
   `fit`/`evaluate`/`predict`, or the first call in a custom loop. tfpar's Keras
-  seam gives the strategy that moment (`keras_seam.install_model_call_hook`). A
+  seam gives the strategy that moment (`keras_hooks.install_model_call_hook`). A
   plan balanced by memory needs the whole built model (every layer's shape), and
   Sequential/functional models create their variables at construction, before
   any plan exists, so the plan cannot be applied earlier in general. An unbuilt
@@ -60,14 +60,12 @@ import types
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, one_device_strategy
-from tensorflow.python.framework import ops
-from tensorflow.python.util import nest
 
 from tfpar import devices as devices_lib
-from tfpar import keras_seam
+from tfpar.keras import hooks as keras_hooks
 from tfpar.distribute import placement as placement_lib
 from tfpar.errors import PlacementError
+from tfpar.keras import internals
 from tfpar.plan import placement as plan
 
 _DEFAULT_SLOTS = 2  # Adam's, when nothing says which optimizer will train the model.
@@ -134,7 +132,7 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
         self._reports = {}  # id(model) -> PlacementReport, in placement order
         extended = _ModelParallelExtended(self, resolved)
         super(tf.distribute.OneDeviceStrategy, self).__init__(extended)
-        keras_seam.install_model_call_hook()
+        keras_hooks.install_model_call_hook()
 
     def __repr__(self):
         placement = self._placement if isinstance(self._placement, str) else type(
@@ -168,9 +166,10 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
     def _tfpar_before_model_call(self, model, args, kwargs):
         if getattr(model, "_tfpar_placed_by", None) is not None:
             return
-        from keras.src.backend.common.keras_tensor import any_symbolic_tensors
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-
+        any_symbolic_tensors = internals.symbol(
+            "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
+        in_stateless_scope = internals.symbol(
+            "keras.src.backend.common.stateless_scope.in_stateless_scope")
         if any_symbolic_tensors(args, kwargs):
             return  # Building a functional model out of this one: nothing runs.
         if not _is_built(model):
@@ -217,13 +216,13 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
                         if id(variable) in seen:
                             continue  # Shared by an earlier layer: it stays there.
                         seen.add(id(variable))
-                        old = getattr(variable, "_value", None)
-                        if old is not None and placement_lib.move_variable(
+                        old = internals.attr(variable, "_value")
+                        if placement_lib.move_variable(
                                 variable, device_of[unit.name]):
                             moved[id(old)] = (old, device_of[unit.name])
                     _wrap_call(unit, device_of[unit.name])
                 self.extended._move_optimizer_state(getattr(model, "optimizer", None), moved)
-            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:
+            for sub in [model] + [l for l in internals.attr(model, "_flatten_layers")() if _is_model(l)]:
                 object.__setattr__(sub, "_tfpar_placed_by", self)
             self._reports[id(model)] = report
 
@@ -326,7 +325,8 @@ class PlacementReport:
         return plan.format_report(self.layers, self.placement, self.devices)
 
 
-class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
+class _ModelParallelExtended(
+        internals.symbol("tensorflow.python.distribute.one_device_strategy.OneDeviceExtended")):
     """One replica on the first device; variables on the device of their layer."""
 
     def __init__(self, container_strategy, devices):
@@ -339,7 +339,7 @@ class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
         colocate_with = kwargs.get("colocate_with")
         if colocate_with is None:
             kwargs.pop("colocate_with", None)
-            with ops.device(placement_lib.current_variable_device() or self._device):
+            with tf.device(placement_lib.current_variable_device() or self._device):
                 return next_creator(**kwargs)
         variable = super()._create_variable(next_creator, **kwargs)
         if isinstance(colocate_with, tf.Variable):
@@ -352,16 +352,18 @@ class _ModelParallelExtended(one_device_strategy.OneDeviceExtended):
 
     def _update(self, var, fn, args, kwargs, group):
         # Optimizer updates run where the variable lives, not on the first device.
-        with ops.device(var.device), distribute_lib.UpdateContext(self._device):
+        update_context = internals.symbol(
+            "tensorflow.python.distribute.distribute_lib.UpdateContext")
+        with tf.device(var.device), update_context(self._device):
             result = fn(var, *args, **kwargs)
-            return result if group else nest.map_structure(self._local_results, result)
+            return result if group else tf.nest.map_structure(self._local_results, result)
 
     def _move_optimizer_state(self, optimizer, moved):
         """Moves optimizer state already built for moved variables next to them."""
         if optimizer is None or not moved:
             return
         for variable in getattr(optimizer, "variables", ()):
-            value = getattr(variable, "_value", None)
+            value = internals.attr(variable, "_value")
             slot, colocated = self._colocated.get(id(value), (lambda: None, lambda: None))
             if slot() is value and colocated() is not None and id(colocated()) in moved:
                 placement_lib.move_variable(variable, moved[id(colocated())][1])
@@ -415,16 +417,17 @@ def _is_built(model):
 
 def _build_symbolically(model, args, kwargs):
     """Creates a model's variables from the shapes of a call's inputs, running nothing."""
-    from keras.src import backend, tree
+    import keras
 
     def spec(x):
         if tf.is_tensor(x) or hasattr(x, "__array__"):
-            return backend.KerasTensor(tuple(x.shape), backend.standardize_dtype(x.dtype))
+            return keras.KerasTensor(tuple(x.shape), keras.backend.standardize_dtype(x.dtype))
         return x
 
+    compute_output_spec = internals.symbol("keras.src.backend.compute_output_spec")
     with tf.init_scope():
-        backend.compute_output_spec(model, *tree.map_structure(spec, args),
-                                    **tree.map_structure(spec, kwargs))
+        compute_output_spec(model, *keras.tree.map_structure(spec, args),
+                            **keras.tree.map_structure(spec, kwargs))
 
 
 def _wrap_call(layer, device):
@@ -469,7 +472,7 @@ def _dtype_bytes(dtype):
 
 def _shapes(structure):
     """Flat list of shapes in a nest of shapes/tensors."""
-    from keras.src import tree
+    import keras
 
     if isinstance(structure, (tuple, list)) and all(
             d is None or isinstance(d, int) for d in structure):
@@ -479,16 +482,16 @@ def _shapes(structure):
     if isinstance(structure, (tuple, list, dict)):
         values = structure.values() if isinstance(structure, dict) else structure
         return [s for v in values for s in _shapes(v)]
-    return [tuple(t.shape) for t in tree.flatten(structure) if hasattr(t, "shape")]
+    return [tuple(t.shape) for t in keras.tree.flatten(structure) if hasattr(t, "shape")]
 
 
 def _output_elements(layer):
     """Elements per example of a layer's output(s): from its graph node, else its shape."""
-    nodes = getattr(layer, "_inbound_nodes", None)
+    nodes = internals.attr(layer, "_inbound_nodes")
     if nodes:
         shapes = _shapes(nodes[-1].outputs)
     else:
-        build_shapes = getattr(layer, "_build_shapes_dict", None)
+        build_shapes = internals.attr(layer, "_build_shapes_dict")
         if not build_shapes or len(build_shapes) != 1:
             return 0
         try:
@@ -500,10 +503,10 @@ def _output_elements(layer):
 
 def _measure(layer, batch_size, repeats=3):
     """Median seconds of one forward and backward of `layer` on zeros, on one device."""
-    from keras.src import tree
+    import keras
 
-    nodes = getattr(layer, "_inbound_nodes", None)
-    build_shapes = getattr(layer, "_build_shapes_dict", None)
+    nodes = internals.attr(layer, "_inbound_nodes")
+    build_shapes = internals.attr(layer, "_build_shapes_dict")
     if nodes:
         args, kwargs = nodes[-1].arguments.args, nodes[-1].arguments.kwargs
     elif build_shapes and len(build_shapes) == 1:
@@ -520,7 +523,7 @@ def _measure(layer, batch_size, repeats=3):
         return t
 
     with tf.init_scope():
-        call_args, call_kwargs = tree.map_structure(zeros, (tuple(args), dict(kwargs)))
+        call_args, call_kwargs = keras.tree.map_structure(zeros, (tuple(args), dict(kwargs)))
 
         @tf.function
         def step():

@@ -1,22 +1,22 @@
-"""Synchronous data parallelism across TF_CONFIG workers (collective all-reduce)."""
+"""Data parallelism across TF_CONFIG workers: the cluster count and the collective extended.
+
+`tfpar.DataParallelStrategy` (in `data_parallel.py`) becomes its multi-worker form
+when the cluster has several workers; this module holds the TensorFlow glue of that form.
+"""
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
-from tfpar import keras_seam
 from tfpar.distribute.cluster import cluster_config
-from tfpar.distribute import group_keys
-from tfpar.distribute.data_parallel import (
-    DataParallelStrategy, check_bytes_per_pack, check_first_batch)
-from tfpar.errors import DeviceError
-from tfpar.plan.communication import NCCL, RING, select_communication
+from tfpar.distribute.input_checks import check_first_batch
+from tfpar.keras import internals
+from tfpar.plan.communication import NCCL, RING
 
-_IMPLEMENTATIONS = {
-    NCCL: collective_util.CommunicationImplementation.NCCL,
-    RING: collective_util.CommunicationImplementation.RING,
-}
+
+def implementation(communication):
+    """TensorFlow's collective implementation for "nccl" or "ring"."""
+    implementations = internals.symbol(
+        "tensorflow.python.distribute.collective_util.CommunicationImplementation")
+    return {NCCL: implementations.NCCL, RING: implementations.RING}[communication]
 
 
 # Packing gradients into ~4 MiB collectives cut the 2-worker step time by ~15%
@@ -39,55 +39,15 @@ def cluster_worker_count(cluster_resolver=None):
     return config.num_workers
 
 
-class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
-    """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
-
-    It is also a `tf.distribute.MultiWorkerMirroredStrategy`, so Keras takes its
-    multi-worker paths (gathering predictions across workers, for example).
-    """
-
-    _tfpar_multi_worker = True
-
-    def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
-                 cluster_resolver=None, timeout_seconds=None):
-        if devices is not None:
-            raise DeviceError(
-                "devices cannot be chosen across workers: each worker uses all its GPUs, or "
-                "its CPU. Pass devices=None.")
-        resolver = cluster_resolver or tfconfig_cluster_resolver.TFConfigClusterResolver()
-        gpus = tf.config.list_physical_devices("GPU")
-        self.communication = select_communication(
-            communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True)
-        options = collective_util.Options(
-            bytes_per_pack=check_bytes_per_pack(bytes_per_pack, MULTI_WORKER_PACK_BYTES),
-            timeout_seconds=timeout_seconds,
-            implementation=_IMPLEMENTATIONS[self.communication])
-        self._collective_key_base = group_keys.next_key_base()
-        extended = _MultiWorkerExtended(
-            self, cluster_resolver=resolver, communication_options=options)
-        super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
-        keras_seam.install_multi_worker_callbacks()
-
-    def reduce(self, reduce_op, value, axis):
-        # Keras' multi-worker path reduces scalar step outputs (loss, metrics) with
-        # axis=0, which fails on a scalar; the mean over replicas is what it means.
-        if axis is not None and _rank(value) == 0:
-            axis = None
-        return super().reduce(reduce_op, value, axis)
-
-    def __repr__(self):
-        return (f"DataParallelStrategy(workers={self.extended._num_workers}, "
-                f"replicas={self.num_replicas_in_sync}, communication={self.communication!r})")
-
-
-def _rank(value):
+def rank(value):
     if isinstance(value, tf.distribute.DistributedValues):
         value = value.values[0]
     shape = getattr(value, "shape", None)
     return None if shape is None else shape.rank
 
 
-class _MultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExtended):
+class MultiWorkerExtended(internals.symbol(
+        "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended")):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Keras reduces a whole (x, y) data batch in one call; the stock code only
@@ -95,10 +55,10 @@ class _MultiWorkerExtended(collective_all_reduce_strategy.CollectiveAllReduceExt
         # Tensor", keras-team/keras#20585).
         if isinstance(value, (tuple, list, dict)):
             return tf.nest.map_structure(
-                lambda v: super(_MultiWorkerExtended, self)._reduce_to(
+                lambda v: super(MultiWorkerExtended, self)._reduce_to(
                     reduce_op, v, destinations, options), value)
         return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _experimental_distribute_dataset(self, dataset, options):
-        dataset = check_first_batch(dataset, self._num_replicas_in_sync)
+        dataset = check_first_batch(dataset, internals.attr(self, "_num_replicas_in_sync"))
         return super()._experimental_distribute_dataset(dataset, options)

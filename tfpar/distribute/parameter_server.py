@@ -4,7 +4,7 @@ The chief runs the program. Variables live on the ps tasks (split over several
 with `variable_partitioner`). Each training call is a closure that TensorFlow's
 `ClusterCoordinator` runs on whichever worker is free; a closure lost with its
 worker is run again elsewhere. tfpar adds what Keras 3 dropped: `model.fit`,
-`evaluate` and `predict` (see `keras_seam`), exact step counts, clear errors for
+`evaluate` and `predict` (see `tfpar.keras.parameter_server`), exact step counts, clear errors for
 bad clusters, and a synchronous mode.
 
 Modes:
@@ -15,21 +15,16 @@ Modes:
     the combined batch, as in the classic parameter-server design.
 """
 
-import contextlib
-
 import tensorflow as tf
-from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
-from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-from tfpar import keras_seam
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
 from tfpar.cluster.probe import unreachable_tasks
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.distribute.cluster import cluster_config
+from tfpar.distribute.ps_sync import ASYNC, MODES
 from tfpar.errors import ClusterError
 
-ASYNC = "async"
-SYNC = "sync"
-MODES = (ASYNC, SYNC)
 
 
 class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
@@ -73,11 +68,11 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
                 f"(tfpar launch --workers N --ps K does this), and check the addresses.")
         self.mode = mode
         self.cluster_config = config
-        super().__init__(cluster_resolver or tfconfig_cluster_resolver.TFConfigClusterResolver(),
+        super().__init__(cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                          variable_partitioner=variable_partitioner)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._step_functions = {}
-        keras_seam.install_parameter_server_training()
+        keras_hooks.install_parameter_server_training()
 
     @property
     def num_workers(self):
@@ -152,7 +147,9 @@ class _PSFailure:
         # The coordinator says PSUnavailableError; the chief's own reads of a lost ps
         # fail with various errors that name the ps job or its address.
         text = str(error)
-        is_ps = (isinstance(error, cluster_coordinator.PSUnavailableError) or "/job:ps" in text
+        unavailable = internals.symbol(
+            "tensorflow.python.distribute.coordinator.cluster_coordinator.PSUnavailableError")
+        is_ps = (isinstance(error, unavailable) or "/job:ps" in text
                  or any(address in text for address in self._config.cluster["ps"]))
         if not is_ps:
             return False
@@ -162,39 +159,3 @@ class _PSFailure:
             f"so training cannot go on. Restart the cluster; with a checkpoint directory "
             f"(--model_dir, or keras.callbacks.BackupAndRestore) the rerun resumes from the "
             f"last checkpoint.") from error
-
-
-class SyncGradients:
-    """Gradients of one synchronous step, stored on the ps, one slot per worker part.
-
-    Slot k holds part k's gradient times its example count, written with `assign`,
-    so a closure run again after a worker failure leaves the same value. `mean`
-    then gives the mean gradient over the combined batch, computed on the ps:
-
-        parts of 3 and 5 examples, mean gradients g0 and g1:
-        slot0 = 3 * g0, slot1 = 5 * g1, mean = (slot0 + slot1) / 8
-    """
-
-    def __init__(self, strategy, variables, num_parts):
-        self.variables = list(variables)
-        with strategy.scope():
-            self.slots = [[tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                       name=f"sync_gradient_{k}")
-                           for v in self.variables] for k in range(num_parts)]
-
-    def store(self, part, gradients, count):
-        """Stores part `part`'s mean `gradients` over its `count` examples."""
-        for slot, gradient in zip(self.slots[part], gradients):
-            slot.assign(tf.convert_to_tensor(gradient) * tf.cast(count, slot.dtype))
-
-    def mean(self, num_parts, total):
-        """The mean gradient over parts 0..num_parts-1, which hold `total` examples."""
-        means = []
-        for i in range(len(self.variables)):
-            # A sharded slot has no single device: its sum stays on the worker.
-            device = getattr(self.slots[0][i], "device", None)
-            with tf.device(device) if device else contextlib.nullcontext():
-                summed = tf.add_n([tf.convert_to_tensor(self.slots[k][i])
-                                   for k in range(num_parts)])
-                means.append(summed / tf.cast(total, summed.dtype))
-        return means

@@ -27,8 +27,8 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.distribute import device_util
-from tensorflow.python.eager import record
+
+from tfpar.keras import internals
 
 _local = threading.local()
 
@@ -52,7 +52,9 @@ def current_variable_device():
 
 def canonical_device(device):
     """'/cpu:1' -> '/job:localhost/replica:0/task:0/device:CPU:1'; None stays None."""
-    return None if device is None else device_util.canonicalize(device)
+    canonicalize = internals.symbol(
+        "tensorflow.python.distribute.device_util.canonicalize")
+    return None if device is None else canonicalize(device)
 
 
 def move_variable(variable, device):
@@ -67,8 +69,8 @@ def move_variable(variable, device):
     made before keep reading the old copy. Variables of a distribution strategy
     (e.g. mirrored on every replica) are left where the strategy put them.
     """
-    old = getattr(variable, "_value", None)
-    if (old is None or isinstance(old, tf.distribute.DistributedValues)
+    old = internals.attr(variable, "_value")
+    if (isinstance(old, tf.distribute.DistributedValues)
             or canonical_device(old.device) == canonical_device(device)):
         return False
     with tf.init_scope(), variable_device(device):
@@ -76,16 +78,18 @@ def move_variable(variable, device):
             old.read_value(), trainable=old.trainable, name=old.name.split(":")[0],
             dtype=old.dtype, aggregation=old.aggregation,
             synchronization=old.synchronization, shape=old.shape)
-    new._unique_id = old._unique_id  # pylint: disable=protected-access
+    new._unique_id = internals.attr(old, "_unique_id")  # pylint: disable=protected-access
     variable._value = new  # pylint: disable=protected-access
     return True
 
 
 def _in_keras_symbolic_scope():
     # Keras traces layers on symbolic inputs to infer shapes; nothing runs there.
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    return internals.symbol("keras.src.backend.common.symbolic_scope.in_symbolic_scope")()
 
-    return in_symbolic_scope()
+
+def _tape_recording():
+    return internals.symbol("tensorflow.python.eager.record.could_possibly_record")()
 
 
 def _differentiable(x):
@@ -119,7 +123,7 @@ def placed_call(fn, device, *args, **kwargs):
     """
     if device is None or _in_keras_symbolic_scope():
         return fn(*args, **kwargs)
-    if tf.executing_eagerly() and not record.could_possibly_record():
+    if tf.executing_eagerly() and not _tape_recording():
         # Eager inference: there is no backward to place.
         with tf.device(device):
             return fn(*args, **kwargs)
@@ -166,11 +170,8 @@ def placed_call(fn, device, *args, **kwargs):
     outputs = structure["outputs"]
     flat_out = tf.nest.flatten(outputs)
     for i, placed in zip(structure["tensors_at"], results):
-        mask = getattr(flat_out[i], "_keras_mask", None)
+        mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(flat_out[i])
         if mask is not None:  # Keras attaches masks to tensors; keep them.
-            try:
-                placed._keras_mask = mask  # pylint: disable=protected-access
-            except AttributeError:
-                pass
+            internals.symbol("keras.src.backend.common.masking.set_keras_mask")(placed, mask)
         flat_out[i] = placed
     return tf.nest.pack_sequence_as(outputs, flat_out)

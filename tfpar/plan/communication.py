@@ -51,3 +51,13 @@ def select_communication(requested, device_types, multi_worker=False):
             f"NVIDIA GPUs, but the devices include {', '.join(others)} devices. Use "
             f"communication='auto' (or 'ring') on CPUs.")
     return requested
+
+
+def check_bytes_per_pack(bytes_per_pack, default):
+    """Validates `bytes_per_pack`; None becomes `default`."""
+    if bytes_per_pack is None:
+        return default
+    if not isinstance(bytes_per_pack, int) or isinstance(bytes_per_pack, bool) or bytes_per_pack < 0:
+        raise ValueError(
+            f"bytes_per_pack must be an integer >= 0 (or None). Received: {bytes_per_pack!r}")
+    return bytes_per_pack

@@ -18,6 +18,7 @@ graph to cut and are refused.
 import dataclasses
 
 from tfpar.errors import PlacementError
+from tfpar.keras import internals
 from tfpar.plan import stages as stages_plan
 
 
@@ -64,15 +65,17 @@ class StageProgram:
 
     def standardize(self, inputs):
         """The model's inputs as the flat list stage 0 takes (like Functional.call)."""
-        return list(self.graph._standardize_inputs(inputs))
+        return list(internals.attr(self.graph, "_standardize_inputs")(inputs))
 
     def run(self, index, inputs, training):
         """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
 
         Returns the tensor passed to the next stage, or the model's outputs.
         """
-        from keras.src import tree
-        from keras.src.models.functional import operation_fn, unpack_singleton
+        import keras
+
+        operation_fn = internals.symbol("keras.src.models.functional.operation_fn")
+        unpack_singleton = internals.symbol("keras.src.models.functional.unpack_singleton")
 
         stage, graph = self.stages[index], self.graph
         if index == 0:
@@ -82,20 +85,21 @@ class StageProgram:
         for node in stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
             outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
-            for tensor, value in zip(node.outputs, tree.flatten(outputs)):
+            for tensor, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(tensor)] = value
         if stage.output_tensor is not None:
             return values[id(stage.output_tensor)]
         outputs = [values[id(t)] for t in graph.outputs]
-        return unpack_singleton(tree.pack_sequence_as(graph._outputs_struct, outputs))
+        return unpack_singleton(keras.tree.pack_sequence_as(
+            internals.attr(graph, "_outputs_struct"), outputs))
 
     def call_losses(self, index):
         """Losses the stage's layers added while they last ran (`add_loss`, activity
         regularizers)."""
         losses, seen = [], set()
         for layer in self.stages[index].layers:
-            for sub in layer._flatten_layers():
-                for loss in sub._get_own_losses():
+            for sub in internals.attr(layer, "_flatten_layers")():
+                for loss in internals.attr(sub, "_get_own_losses")():
                     if id(loss) not in seen:
                         seen.add(id(loss))
                         losses.append(loss)
@@ -104,23 +108,23 @@ class StageProgram:
     def regularization_losses(self, index):
         """The weight-regularizer losses of the layers the stage owns."""
         return [loss for layer in self.stages[index].regularized_layers
-                for loss in layer._get_regularization_losses()]
+                for loss in internals.attr(layer, "_get_regularization_losses")()]
 
 
 def functional_graph(model):
     """The keras Functional that runs `model`; PlacementError for models without one."""
     import keras
-    from keras.src.models.functional import Functional
 
+    functional = internals.symbol("keras.src.models.functional.Functional")
     if isinstance(model, keras.Sequential):
-        graph = getattr(model, "_functional", None)
+        graph = internals.attr(model, "_functional")
         if graph is None:
             raise PlacementError(
                 f"Sequential model {model.name!r} has no layer graph to cut into pipeline "
                 f"stages (its layers could not be traced symbolically). Give it a "
                 f"keras.Input, or build it on a batch first.")
         return graph
-    if isinstance(model, Functional):
+    if isinstance(model, functional):
         return model
     raise PlacementError(
         f"PipelineStrategy cuts Sequential and functional models into stages, but "
@@ -130,7 +134,7 @@ def functional_graph(model):
 
 
 def _ordered_nodes(graph):
-    nodes_by_depth = graph._nodes_by_depth
+    nodes_by_depth = internals.attr(graph, "_nodes_by_depth")
     return [node for depth in sorted(nodes_by_depth, reverse=True)
             for node in nodes_by_depth[depth] if node.operation is not None and not node.is_input]
 
@@ -150,8 +154,7 @@ def _size(variable):
 
 
 def _producer_name(tensor):
-    history = getattr(tensor, "_keras_history", None)
-    return history.operation.name if history is not None else getattr(tensor, "name", "?")
+    return internals.attr(tensor, "_keras_history").operation.name
 
 
 def build_program(model, num_stages):
@@ -199,8 +202,8 @@ def build_program(model, num_stages):
         regularized = [layer for layer in layers if id(layer) not in owned_layers]
         owned_layers.update(id(layer) for layer in layers)
         seeds = _distinct(sg.state for layer in layers
-                          for sub in layer._flatten_layers()
-                          for sg in getattr(sub, "_seed_generators", ()))
+                          for sub in internals.attr(layer, "_flatten_layers")()
+                          for sg in internals.attr(sub, "_seed_generators"))
         stages.append(Stage(
             index=index, nodes=stage_nodes,
             input_tensor=tensors[crossing[start - 1][0]] if start > 0 else None,

@@ -32,26 +32,28 @@ overrides `train_step` keeps its own step (in async mode).
 import functools
 
 import numpy as np
+import keras
 import tensorflow as tf
-from tensorflow.python.distribute import sharded_variable
 
-from tfpar.distribute.parameter_server import SYNC, SyncGradients
+from tfpar.distribute.ps_sync import SYNC, SyncGradients
+from tfpar.keras import internals
 
 def patches():
     """What tfpar replaces in Keras for parameter servers: (owner, attribute, wrap).
 
-    `wrap(original)` returns the replacement; `keras_seam` applies each one once.
+    `wrap(original)` returns the replacement; `tfpar.keras.hooks` applies each one once.
     """
-    from keras.src.backend.tensorflow import core, optimizer, trainer
-
+    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
+    optimizer = internals.symbol("keras.src.backend.tensorflow.optimizer.TFOptimizer")
     return [
-        *[(trainer.TensorFlowTrainer, name, functools.partial(_dispatch, loop=loop))
+        *[(trainer, name, functools.partial(_dispatch, loop=loop))
           for name, loop in (("fit", fit), ("evaluate", evaluate), ("predict", predict))],
-        (core.Variable, "assign_add", functools.partial(_atomic, name="assign_add")),
-        (core.Variable, "assign_sub", functools.partial(_atomic, name="assign_sub")),
-        (optimizer.TFOptimizer, "add_variable_from_reference", _uncolocated_for_shards),
-        (core.Variable, "__array__", _sharded_as_array),
-        (optimizer.TFOptimizer, "_distributed_tf_update_step", _sharded_updates_direct),
+        (variable, "assign_add", functools.partial(_atomic, name="assign_add")),
+        (variable, "assign_sub", functools.partial(_atomic, name="assign_sub")),
+        (optimizer, "add_variable_from_reference", _uncolocated_for_shards),
+        (variable, "__array__", _sharded_as_array),
+        (optimizer, "_distributed_tf_update_step", _sharded_updates_direct),
     ]
 
 
@@ -71,7 +73,8 @@ def _dispatch(keras_method, loop):
 
 
 def _atomic(keras_method, name):
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    in_stateless_scope = internals.symbol(
+        "keras.src.backend.common.stateless_scope.in_stateless_scope")
 
     @functools.wraps(keras_method)
     def method(self, value):
@@ -85,12 +88,12 @@ def _atomic(keras_method, name):
 def _uncolocated_for_shards(keras_method):
     # Slots of a sharded variable cannot be colocated with it (it has no single
     # device); made without colocation they are sharded the same way instead.
-    from keras.src.optimizers import base_optimizer
+    base_optimizer = internals.symbol("keras.src.optimizers.base_optimizer.BaseOptimizer")
 
     @functools.wraps(keras_method)
     def method(self, reference_variable, name=None, initializer="zeros"):
         if _is_sharded(getattr(reference_variable, "value", None)):
-            return base_optimizer.BaseOptimizer.add_variable_from_reference(
+            return base_optimizer.add_variable_from_reference(
                 self, reference_variable, name=name, initializer=initializer)
         return keras_method(self, reference_variable, name=name, initializer=initializer)
     return method
@@ -113,14 +116,15 @@ def _sharded_as_array(keras_method):
     # Saving weights reads variables through __array__, which ShardedVariable lacks.
     @functools.wraps(keras_method)
     def method(self, dtype=None, **kwargs):
-        if _is_sharded(getattr(self, "_value", None)):
+        if _is_sharded(internals.attr(self, "_value")):
             return np.asarray(self._value.numpy(), dtype=dtype)
         return keras_method(self, dtype, **kwargs)
     return method
 
 
 def _is_sharded(variable):
-    return isinstance(variable, sharded_variable.ShardedVariable)
+    return isinstance(variable, internals.symbol(
+        "tensorflow.python.distribute.sharded_variable.ShardedVariable"))
 
 
 # -- steps run on the workers -------------------------------------------------
@@ -147,18 +151,15 @@ def _gradients(tape, loss, variables):
 
 def _forward_backward(model, data):
     """Keras' TensorFlow train step up to the gradients; updates the metrics."""
-    from keras.src import tree
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    unscale = internals.symbol("keras.src.losses.loss.unscale_loss_for_distribution")
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+        y_pred = model(x, training=True) if internals.attr(model, "_call_has_training_arg") else model(x)
+        loss = internals.attr(model, "_compute_loss")(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                    training=True)
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        internals.attr(model, "_loss_tracker").update_state(
+            unscale(loss),
+            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0])
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
     gradients = _gradients(tape, loss, model.trainable_weights)
@@ -172,15 +173,12 @@ def _train_step(model, data):
 
 
 def _overrides_train_step(model):
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return type(model).train_step is not TensorFlowTrainer.train_step
+    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    return type(model).train_step is not trainer.train_step
 
 
 def _batch_size(data):
-    from keras.src import tree
-
-    return tf.shape(tree.flatten(data)[0])[0]
+    return tf.shape(keras.tree.flatten(data)[0])[0]
 
 
 # -- data ---------------------------------------------------------------------
@@ -190,8 +188,7 @@ class _Input:
 
     def __init__(self, x, y=None, sample_weight=None, batch_size=None, steps=None,
                  shuffle=False, class_weight=None):
-        from keras.src.trainers.data_adapters import get_data_adapter
-
+        get_data_adapter = internals.symbol("keras.src.trainers.data_adapters.get_data_adapter")
         if callable(x) and not isinstance(x, tf.data.Dataset):
             self.dataset_fn = x
             self.dataset = x(tf.distribute.InputContext())
@@ -232,7 +229,7 @@ class _Input:
 
 def _build(model, dataset):
     with model.distribute_strategy.scope():
-        model._symbolic_build(data_batch=dataset.element_spec)
+        internals.attr(model, "_symbolic_build")(data_batch=dataset.element_spec)
 
 
 def _numbers(logs):
@@ -241,11 +238,9 @@ def _numbers(logs):
 
 
 def _callback_list(model, callbacks, verbose, **params):
-    from keras.src import callbacks as callbacks_module
-
-    if isinstance(callbacks, callbacks_module.CallbackList):
+    if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
-    return callbacks_module.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
+    return keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0,
                                          verbose=verbose, model=model, **params)
 
 
@@ -262,11 +257,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
         validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
         sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1):
-    from keras.src.trainers.data_adapters import array_slicing, data_adapter_utils
-
-    model._assert_compile_called("fit")
+    internals.attr(model, "_assert_compile_called")("fit")
     if validation_split and validation_data is None:
-        (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+        split = internals.symbol(
+            "keras.src.trainers.data_adapters.array_slicing.train_validation_split")
+        (x, y, sample_weight), validation_data = split(
             (x, y, sample_weight), validation_split=validation_split)
     data = _Input(x, y, sample_weight, batch_size, steps_per_epoch, shuffle, class_weight)
     steps = data.steps(steps_per_epoch, "steps_per_epoch")
@@ -277,15 +272,16 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
 
     model.stop_training = False
     callbacks.on_train_begin()
-    initial_epoch = model._initial_epoch or initial_epoch
+    initial_epoch = internals.attr(model, "_initial_epoch") or initial_epoch
     logs = {}
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         callbacks.on_epoch_begin(epoch)
         epoch_runner.run(steps, callbacks)
         epoch_logs = _numbers(model.get_metrics_result())
-        if validation_data is not None and model._should_eval(epoch, validation_freq):
-            val_x, val_y, val_sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+        if validation_data is not None and internals.attr(model, "_should_eval")(
+                epoch, validation_freq):
+            val_x, val_y, val_sample_weight = keras.utils.unpack_x_y_sample_weight(
                 validation_data)
             val_logs = evaluate(model, val_x, val_y, sample_weight=val_sample_weight,
                                 batch_size=validation_batch_size or batch_size,
@@ -356,12 +352,10 @@ class _SyncEpochs:
         return _cached(model, ("sync_apply", self.parts, num_parts), lambda: step)
 
     def run(self, steps, callbacks):
-        from keras.src import tree
-
         for step in range(steps):
             callbacks.on_train_batch_begin(step)
             batch = next(self.iterator)
-            total = int(tree.flatten(batch)[0].shape[0])
+            total = int(keras.tree.flatten(batch)[0].shape[0])
             sizes = [s for s in _split_sizes(total, self.parts) if s]
             for part, piece in enumerate(_split(batch, sizes)):
                 self.strategy.schedule_on(self._part_step(part), piece)
@@ -375,18 +369,14 @@ class _SyncEpochs:
 
 def _split(batch, sizes):
     """`batch` cut along its first axis into pieces of `sizes` examples."""
-    from keras.src import tree
-
-    leaves = [tf.split(t, sizes) for t in tree.flatten(batch)]
-    return [tree.pack_sequence_as(batch, [leaf[k] for leaf in leaves]) for k in range(len(sizes))]
+    leaves = [tf.split(t, sizes) for t in keras.tree.flatten(batch)]
+    return [keras.tree.pack_sequence_as(batch, [leaf[k] for leaf in leaves]) for k in range(len(sizes))]
 
 
 def _concat(outputs):
     """Per-batch output structures joined along the first axis."""
-    from keras.src import tree
-
-    leaves = [tree.flatten(o) for o in outputs]
-    return tree.pack_sequence_as(
+    leaves = [keras.tree.flatten(o) for o in outputs]
+    return keras.tree.pack_sequence_as(
         outputs[0], [np.concatenate([np.asarray(o[i]) for o in leaves]) for i in range(len(leaves[0]))])
 
 
@@ -397,7 +387,7 @@ def _split_sizes(total, parts):
 
 def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
              steps=None, callbacks=None, return_dict=False, **kwargs):
-    model._assert_compile_called("evaluate")
+    internals.attr(model, "_assert_compile_called")("evaluate")
     data = _Input(x, y, sample_weight, batch_size, steps)
     steps = data.steps(steps, "steps")
     _build(model, data.dataset)
@@ -413,7 +403,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto", sample_weig
     strategy.join()
     logs = _numbers(model.get_metrics_result())
     callbacks.on_test_end(logs)
-    return logs if return_dict else model._flatten_metrics_in_order(logs)
+    return logs if return_dict else internals.attr(model, "_flatten_metrics_in_order")(logs)
 
 
 def predict(model, x, batch_size=None, verbose="auto", steps=None, callbacks=None):

@@ -1,4 +1,4 @@
-"""The one place where tfpar adapts Keras 3 to its strategies.
+"""The Keras methods tfpar wraps, each once; every wrapper asks the model's strategy.
 
 Keras 3 callbacks are not multi-worker aware: under a multi-worker strategy every
 worker runs `BackupAndRestore` and `ModelCheckpoint`, and all write the same files
@@ -9,6 +9,8 @@ write; every worker still reads the chief's backup when a run resumes.
 
 import functools
 import threading
+
+from tfpar.keras import internals
 
 _lock = threading.Lock()
 
@@ -26,10 +28,13 @@ def _wrap_once(owner, name, wrap, marker):
 
 
 def _is_non_chief_worker(callback):
-    strategy = getattr(getattr(callback, "model", None), "distribute_strategy", None)
-    extended = getattr(strategy, "extended", None)
+    # Read strictly: if Keras stopped giving callbacks their model, every worker would
+    # write again; fail instead.
+    model = callback.model
+    internals.check(model is not None, "keras.callbacks.Callback.model set during fit")
+    strategy = model.distribute_strategy
     return bool(getattr(strategy, "_tfpar_multi_worker", False)
-                and not extended.should_checkpoint)
+                and not strategy.extended.should_checkpoint)
 
 
 def _chief_only(method):
@@ -52,7 +57,7 @@ def install_multi_worker_callbacks():
 
 def install_parameter_server_training():
     """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
-    from tfpar import keras_parameter_server
+    from tfpar.keras import parameter_server as keras_parameter_server
 
     for owner, name, wrap in keras_parameter_server.patches():
         _wrap_once(owner, name, wrap, "_tfpar_parameter_server")
@@ -70,7 +75,7 @@ def install_model_call_hook():
 
     def wrap(model_call):
         def __call__(self, *args, **kwargs):
-            hook = getattr(getattr(self, "_distribute_strategy", None),
+            hook = getattr(internals.attr(self, "_distribute_strategy"),
                            "_tfpar_before_model_call", None)
             if hook is not None:
                 hook(self, args, kwargs)
@@ -94,7 +99,7 @@ def install_train_step_hook():
 
     def wrap(train_step):
         def wrapper(self, data):
-            step = getattr(getattr(self, "_distribute_strategy", None), "_tfpar_train_step", None)
+            step = getattr(internals.attr(self, "_distribute_strategy"), "_tfpar_train_step", None)
             if step is not None:
                 return step(self, data)
             return train_step(self, data)

@@ -8,7 +8,7 @@ How it works:
   its device, with the optimizer state already built for them; later optimizer
   state is created next to its variable, and updates run there.
 - *Training.* Keras' `fit`/`train_on_batch` call `model.train_step`; the Keras seam
-  (`keras_seam.install_train_step_hook`) hands it to this strategy, which splits
+  (`keras_hooks.install_train_step_hook`) hands it to this strategy, which splits
   the batch into M micro-batches and builds the schedule's forward and backward
   actions in order (`pipeline_exec.TrainStep`), sums the gradients over
   micro-batches and applies them once with the model's optimizer.
@@ -40,16 +40,14 @@ import threading
 import types
 
 import tensorflow as tf
-from tensorflow.python.distribute import mirrored_strategy
-from tensorflow.python.distribute import values as values_lib
-from tensorflow.python.distribute import values_util
 
 from tfpar import devices as devices_lib
-from tfpar import keras_seam
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
-from tfpar.distribute import pipeline_exec
-from tfpar.distribute import pipeline_stages
+from tfpar.distribute.pipeline import execution as pipeline_exec
+from tfpar.distribute.pipeline import stages as pipeline_stages
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_model, claim_model
 from tfpar.distribute.placement import canonical_device
@@ -114,8 +112,8 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         self._lock = threading.RLock()
         self._collective_key_base = group_keys.next_key_base()  # Read by MirroredExtended.
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
-        keras_seam.install_model_call_hook()
-        keras_seam.install_train_step_hook()
+        keras_hooks.install_model_call_hook()
+        keras_hooks.install_train_step_hook()
 
     def __repr__(self):
         return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="
@@ -168,7 +166,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         Returns:
           The Chrome trace events (a list of dicts).
         """
-        from tfpar.distribute import pipeline_trace
+        from tfpar.viz import pipeline_trace
 
         data = tuple(v for v in (x, y, sample_weight) if v is not None)
         dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
@@ -228,21 +226,19 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                     for variable in stage.placed_variables:
                         mirrored_placement.move_copies(variable, devices)
                 self.extended.follow_colocated(getattr(model, "optimizer", None))
-            if getattr(model, "_jit_compile", None):
+            if internals.attr(model, "_jit_compile"):
                 # XLA compiles a step for one device; the pipeline's step spans several.
                 model.jit_compile = False
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
-            for sub in [model] + [l for l in model._flatten_layers() if _is_model(l)]:
+            for sub in [model] + [l for l in internals.attr(model, "_flatten_layers")() if _is_model(l)]:
                 object.__setattr__(sub, "_tfpar_placed_by", self)
 
     # -- Training (called by the Keras seam for model.train_step) -----------------------
 
     def _tfpar_train_step(self, model, data):
-        from keras.src import tree
-        from keras.src.losses import loss as loss_module
-        from keras.src.trainers.data_adapters import data_adapter_utils
+        import keras
 
         self._place(model)
         if model.jit_compile:
@@ -250,14 +246,15 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                 f"PipelineStrategy runs each stage of {model.name!r} on its own device, which "
                 f"XLA cannot compile into one program. Compile the model with "
                 f"jit_compile=False.")
-        replica = values_util.get_current_replica_id_as_int() or 0
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        replica = _replica_id()
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
                                        self._schedule, self._remat, replica, len(self._grid))
         loss, y_pred, grads = step(x, y, sample_weight)
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(next(i for i in tree.flatten(x) if i is not None))[0])
+        unscale = internals.symbol("keras.src.losses.loss.unscale_loss_for_distribution")
+        internals.attr(model, "_loss_tracker").update_state(
+            unscale(loss),
+            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0])
         if model.trainable_weights:
             model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -265,15 +262,20 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
 
 def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
     """The placed model's `call`: micro-batches through the stages (forward)."""
-    from keras.src.backend.common.keras_tensor import any_symbolic_tensors
-    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-
+    any_symbolic_tensors = internals.symbol(
+        "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
+    in_symbolic_scope = internals.symbol("keras.src.backend.common.symbolic_scope.in_symbolic_scope")
     if mask is not None or kwargs or in_symbolic_scope() or any_symbolic_tensors((inputs,)):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
-    replica = values_util.get_current_replica_id_as_int() or 0
+    replica = _replica_id()
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],
                                  strategy.num_micro_batches, inputs, training)
+
+
+def _replica_id():
+    return internals.symbol(
+        "tensorflow.python.distribute.values_util.get_current_replica_id_as_int")() or 0
 
 
 def _stage_count(num_devices, num_replicas, num_stages):
@@ -317,7 +319,8 @@ def stage_reductions(grid, collective_keys):
     return reductions
 
 
-class _PipelineExtended(mirrored_strategy.MirroredExtended):
+class _PipelineExtended(
+        internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
     """A mirrored strategy over the replicas' first devices, with one reduction per stage.
 
     Variables are mirrored over the replicas; placement moves each copy to its
@@ -338,7 +341,7 @@ class _PipelineExtended(mirrored_strategy.MirroredExtended):
 
     def _get_cross_device_ops(self, value):
         ops = super()._get_cross_device_ops(value)
-        if ops is not self._cross_device_ops or not isinstance(value, values_lib.DistributedValues):
+        if ops is not self._cross_device_ops or not isinstance(value, tf.distribute.DistributedValues):
             return ops  # XLA or int32: TensorFlow's own choice.
         devices = tuple(canonical_device(v.device) for v in value.values)
         return self._stage_ops.get(devices, ops)
@@ -362,8 +365,10 @@ class _PipelineExtended(mirrored_strategy.MirroredExtended):
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         variable = super()._create_variable(next_creator, **kwargs)
-        if isinstance(colocate_with, values_lib.DistributedVariable) and isinstance(
-                variable, values_lib.DistributedVariable):
+        distributed_variable = internals.symbol(
+            "tensorflow.python.distribute.values.DistributedVariable")
+        if isinstance(colocate_with, distributed_variable) and isinstance(
+                variable, distributed_variable):
             # Optimizer state: when placement later moves `colocate_with`, it follows.
             variable._tfpar_colocated_with = colocate_with
         return variable

@@ -43,9 +43,9 @@ updates them once.
 import contextlib
 
 import tensorflow as tf
-from tensorflow.python.eager import record
 
 from tfpar.distribute.placement import placed_call
+from tfpar.keras import internals
 from tfpar.plan.schedule import FORWARD, execution_order
 from tfpar.plan.stages import check_micro_batches
 
@@ -73,7 +73,8 @@ def _anchor(structure):
 
     Keras masks riding on the tensors are kept.
     """
-    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+    get_keras_mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")
+    set_keras_mask = internals.symbol("keras.src.backend.common.masking.set_keras_mask")
 
     def copy(x):
         if not isinstance(x, tf.Tensor):
@@ -150,9 +151,8 @@ def _accumulate(total, grad):
 
 
 def has_custom_compute_loss(model):
-    from keras.src.trainers.trainer import Trainer
-
-    return type(model).compute_loss is not Trainer.compute_loss
+    trainer = internals.symbol("keras.src.trainers.trainer.Trainer")
+    return type(model).compute_loss is not trainer.compute_loss
 
 
 def loss_factor(model, share):
@@ -161,9 +161,12 @@ def loss_factor(model, share):
     `share`: the micro-batch's fraction of the batch's examples. Means are weighted by
     it; sums add up as they are.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    entries = getattr(compile_loss, "_flat_losses", None) or ()
-    reductions = {getattr(entry[1], "reduction", "sum_over_batch_size") for entry in entries}
+    compile_loss = internals.attr(model, "_compile_loss")
+    entries = internals.attr(compile_loss, "_flat_losses") if compile_loss is not None else ()
+    internals.check(
+        all(isinstance(e, tuple) and len(e) > 1 and hasattr(e[1], "reduction") for e in entries),
+        "compiled losses as (loss, Loss with a reduction, ...) entries in _flat_losses")
+    reductions = {entry[1].reduction for entry in entries}
     if reductions <= set(_MEAN_REDUCTIONS):
         return share
     if reductions == {"sum"}:
@@ -266,7 +269,8 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         y = self.program.run(s, x, training=True)
         aux = self.program.call_losses(s) if not self.custom_loss else []
-        aux = [tf.cast(self.model._aggregate_additional_loss(l), tf.float32) * self.shares[m]
+        aggregate = internals.attr(self.model, "_aggregate_additional_loss")
+        aux = [tf.cast(aggregate(l), tf.float32) * self.shares[m]
                for l in aux]
         if s < self.schedule.num_stages - 1:
             if not rerun:
@@ -286,11 +290,11 @@ class TrainStep:
     def _loss(self, m, y_pred):
         model = self.model
         if self.custom_loss:
-            loss = model._compute_loss(
+            loss = internals.attr(model, "_compute_loss")(
                 x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
                 sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
-        elif getattr(model, "_compile_loss", None) is not None:
+        elif internals.attr(model, "_compile_loss") is not None:
             loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
             factor = loss_factor(model, self.shares[m])
         else:
@@ -381,7 +385,8 @@ class TrainStep:
             losses = self.program.regularization_losses(s)
             if not losses:
                 return []
-            total = tf.add_n([tf.cast(self.model._aggregate_additional_loss(l), tf.float32)
+            aggregate = internals.attr(self.model, "_aggregate_additional_loss")
+            total = tf.add_n([tf.cast(aggregate(l), tf.float32)
                               for l in losses])
         variables = self._variables(s)
         grads = tape.gradient(self._scaled(total), variables)
@@ -402,7 +407,7 @@ def forward(program, devices, num_micro_batches, inputs, training):
     sizes = None if first is None or num_micro_batches == 1 else micro_batch_sizes(
         tf.shape(first)[0], num_micro_batches, nonempty=bool(training))
     parts = split_batch(inputs, num_micro_batches, sizes)
-    taped = record.could_possibly_record()
+    taped = internals.symbol("tensorflow.python.eager.record.could_possibly_record")()
     after = [[] for _ in program.stages]
     outputs = []
     with tf.name_scope("pipeline_forward"):

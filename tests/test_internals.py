@@ -1,0 +1,119 @@
+"""The manifest of Keras/TensorFlow privates: each exists in the pinned versions, tfpar reads
+no other, and a missing one fails closed with the versions named."""
+
+import ast
+import inspect
+import pathlib
+import re
+
+import keras
+import pytest
+import tensorflow as tf
+
+from tfpar.errors import InternalsError
+from tfpar.keras import internals
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
+SOURCES = {p: p.read_text() for p in ROOT.rglob("*.py")}
+
+
+def test_pinned_versions_are_the_installed_ones():
+    assert keras.__version__ == internals.TESTED_WITH["keras"]
+    assert tf.__version__ == internals.TESTED_WITH["tensorflow"]
+    setup = (ROOT.parent / "setup.py").read_text()
+    assert f'"keras=={keras.__version__}"' in setup and f'"tensorflow=={tf.__version__}"' in setup
+
+
+@pytest.mark.parametrize("path", sorted(internals.SYMBOLS))
+def test_every_private_symbol_exists(path):
+    assert internals.symbol(path) is not None
+
+
+def _objects():
+    """Objects that carry each private attribute in the pinned versions."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dropout(0.5, seed=1)(keras.layers.Dense(3)(inputs))
+    functional = keras.Model(inputs, keras.layers.Dense(2)(hidden))
+    functional.compile("sgd", "mse", jit_compile=False)
+    sequential = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        mirrored = tf.Variable(1.0)
+    model_objects = [functional, functional.layers[1], functional._compile_loss, sequential,
+                     hidden, functional.weights[0], functional.weights[0]._value, mirrored,
+                     mirrored._values[0].handle, strategy.extended,
+                     tf.distribute.OneDeviceStrategy("/cpu:0").extended]
+    return model_objects
+
+
+def test_every_private_attribute_exists():
+    objects = _objects()
+    # A multi-worker strategy would configure this process's collectives: read the
+    # attributes its extended sets from the class's source instead.
+    collective = inspect.getsource(internals.symbol(
+        "tensorflow.python.distribute.collective_all_reduce_strategy."
+        "CollectiveAllReduceExtended"))
+    missing = [name for name in internals.ATTRIBUTES
+               if not any(hasattr(obj, name) for obj in objects)
+               and f"self.{name} =" not in collective]
+    assert not missing, f"not found on any reference object: {missing}"
+
+
+def _literal_calls(function):
+    pattern = re.compile(rf"internals\.{function}\(\s*(?:[^,()]+(?:\([^()]*\))?,\s*)?\n?\s*\"([^\"]+)\"")
+    return {(p.name, m) for p, text in SOURCES.items() for m in pattern.findall(text)}
+
+
+def test_tfpar_reads_only_privates_in_the_manifest():
+    used = _literal_calls("symbol") | _literal_calls("attr")
+    assert len(used) > 40  # The scan itself works.
+    unknown = sorted((f, n) for f, n in used if n not in internals.MANIFEST)
+    assert not unknown
+
+
+def test_private_modules_are_imported_through_the_manifest_only():
+    found = []
+    for path, text in SOURCES.items():
+        if path.name == "internals.py":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names
+                      if n.startswith(("keras.src", "tensorflow.python"))]
+    assert not found
+
+
+def test_no_private_is_read_with_a_default():
+    """`getattr(obj, "_private", default)` would silently change behaviour if the private
+    went away (fail open); tfpar's own `_tfpar_` attributes are exempt."""
+    pattern = re.compile(r"getattr\([^,]+,\s*\"(_(?!tfpar)[a-z]\w*)\"\s*,")
+    found = [(p.name, m) for p, text in SOURCES.items() if p.name != "internals.py"
+             for m in pattern.findall(text)]
+    assert not found
+
+
+def test_a_missing_private_fails_closed_naming_the_versions(monkeypatch):
+    with pytest.raises(InternalsError, match=r"_compile_loss.*Keras 3\.15\.1"):
+        internals.attr(object(), "_compile_loss")
+    monkeypatch.setitem(internals.SYMBOLS, "keras.src.no_such_module.thing", "test")
+    internals.symbol.cache_clear()
+    with pytest.raises(InternalsError, match="keras.src.no_such_module.thing.*TensorFlow 2.21.0"):
+        internals.symbol("keras.src.no_such_module.thing")
+    with pytest.raises(KeyError, match="manifest"):
+        internals.attr(object(), "_not_in_the_manifest")
+
+
+def test_a_changed_compiled_loss_fails_closed():
+    """If `_compile_loss._flat_losses` changed shape, the pipeline would scale sum losses
+    by 1/M: it must refuse instead."""
+    from tfpar.distribute.pipeline.execution import loss_factor
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
+    model._compile_loss.build(tf.zeros((1, 1)), tf.zeros((1, 1)))
+    assert loss_factor(model, 0.25) == 1.0
+    model._compile_loss._flat_losses = [object()]
+    with pytest.raises(InternalsError, match="_flat_losses"):
+        loss_factor(model, 0.25)

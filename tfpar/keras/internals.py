@@ -1,0 +1,155 @@
+"""Every Keras and TensorFlow private that tfpar touches, read so that a change fails closed.
+
+tfpar is tested with the versions in `TESTED_WITH` (pinned in setup.py). Private
+modules, classes and functions are imported with `symbol("keras.src....")`, and
+private attributes of Keras or TensorFlow objects are read with `attr(obj, name)`.
+Both raise `InternalsError` naming the installed and the tested versions when the
+private is gone, so a changed Keras stops tfpar with a clear message instead of
+silently changing what it computes. `MANIFEST` lists every private; a test checks
+each one against the pinned versions and checks that tfpar reads no other.
+
+    >>> symbol("keras.src.models.functional.Functional").__name__
+    'Functional'
+"""
+
+import functools
+import importlib
+
+from tfpar.errors import InternalsError
+
+TESTED_WITH = {"keras": "3.15.1", "tensorflow": "2.21.0"}
+
+# Private modules, classes and functions (dotted paths), and what tfpar uses them for.
+SYMBOLS = {
+    # Keras
+    "keras.src.backend.common.keras_tensor.any_symbolic_tensors": "skip symbolic calls",
+    "keras.src.backend.common.stateless_scope.in_stateless_scope": "skip Keras' symbolic build",
+    "keras.src.backend.common.symbolic_scope.in_symbolic_scope": "skip shape inference",
+    "keras.src.backend.common.masking.get_keras_mask": "keep masks across devices",
+    "keras.src.backend.common.masking.set_keras_mask": "keep masks across devices",
+    "keras.src.backend.compute_output_spec": "build a model from shapes, allocating nothing",
+    "keras.src.backend.tensorflow.core.Variable": "atomic updates under parameter servers",
+    "keras.src.backend.tensorflow.optimizer.TFOptimizer": "optimizer updates of sharded variables",
+    "keras.src.backend.tensorflow.trainer.TensorFlowTrainer": "fit/evaluate/predict dispatch",
+    "keras.src.losses.loss.unscale_loss_for_distribution": "the loss tracker's value",
+    "keras.src.models.functional.Functional": "cut functional models into stages",
+    "keras.src.models.functional.operation_fn": "run one node of a functional graph",
+    "keras.src.models.functional.unpack_singleton": "a functional model's outputs",
+    "keras.src.optimizers.base_optimizer.BaseOptimizer": "optimizer state of sharded variables",
+    "keras.src.trainers.data_adapters.array_slicing.train_validation_split": "validation_split",
+    "keras.src.trainers.data_adapters.get_data_adapter": "Keras' input handling",
+    "keras.src.trainers.trainer.Trainer": "which models override compute_loss",
+    # TensorFlow
+    "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended":
+        "multi-worker data parallelism",
+    "tensorflow.python.distribute.collective_util.CommunicationImplementation":
+        "ring or NCCL across workers",
+    "tensorflow.python.distribute.collective_util.Options": "collective options",
+    "tensorflow.python.distribute.coordinator.cluster_coordinator.PSUnavailableError":
+        "explain a lost parameter server",
+    "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce": "ring all-reduce",
+    "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
+    "tensorflow.python.distribute.distribute_lib.UpdateContext": "optimizer updates on a device",
+    "tensorflow.python.distribute.mirrored_strategy.MirroredExtended": "mirrored strategies",
+    "tensorflow.python.distribute.one_device_strategy.OneDeviceExtended": "model parallelism",
+    "tensorflow.python.distribute.sharded_variable.ShardedVariable": "sharded ps variables",
+    "tensorflow.python.distribute.values.DistributedVariable": "mirrored variables",
+    "tensorflow.python.distribute.values_util.get_current_replica_id_as_int": "replica id",
+    "tensorflow.python.eager.record.could_possibly_record": "is a gradient tape recording",
+    "tensorflow.python.ops.resource_variable_ops.ResourceVariable": "move mirrored copies",
+}
+
+# Private attributes of Keras and TensorFlow objects that tfpar reads or sets, and on what.
+ATTRIBUTES = {
+    "_aggregate_additional_loss": "keras.Model",
+    "_assert_compile_called": "keras.Model",
+    "_call_has_training_arg": "keras.Model",
+    "_compile_loss": "keras.Model (compiled)",
+    "_compute_loss": "keras.Model",
+    "_flat_losses": "the compiled loss of a keras.Model",
+    "_flatten_layers": "keras.layers.Layer",
+    "_flatten_metrics_in_order": "keras.Model",
+    "_get_own_losses": "keras.layers.Layer",
+    "_get_regularization_losses": "keras.layers.Layer",
+    "_inbound_nodes": "keras.layers.Layer",
+    "_keras_history": "KerasTensor of a functional graph",
+    "_build_shapes_dict": "keras.layers.Layer",
+    "_initial_epoch": "keras.Model",
+    "_jit_compile": "keras.Model (compiled)",
+    "_loss_tracker": "keras.Model (compiled)",
+    "_nodes_by_depth": "keras Functional",
+    "_outputs_struct": "keras Functional",
+    "_seed_generators": "keras.layers.Layer",
+    "_should_eval": "keras.Model",
+    "_standardize_inputs": "keras Functional",
+    "_symbolic_build": "keras.Model",
+    "_functional": "keras.Sequential (built)",
+    "_distribute_strategy": "keras.Model",
+    "_value": "keras.Variable",
+    "_unique_id": "tf.Variable",
+    "_values": "tf.distribute DistributedVariable",
+    "_distributed_container": "the handle of a tf.distribute variable's copy",
+    "_num_workers": "CollectiveAllReduceExtended",
+    "_collective_keys": "MirroredExtended",
+    "_cross_device_ops": "MirroredExtended",
+    "_communication_options": "MirroredExtended",
+    "_devices": "MirroredExtended",
+    "_device": "OneDeviceExtended",
+    "_num_replicas_in_sync": "CollectiveAllReduceExtended",
+}
+
+MANIFEST = {**SYMBOLS, **ATTRIBUTES}
+
+
+def _versions():
+    import keras
+    import tensorflow as tf
+
+    return (f"installed: Keras {keras.__version__}, TensorFlow {tf.__version__}; tfpar is "
+            f"tested with Keras {TESTED_WITH['keras']}, TensorFlow {TESTED_WITH['tensorflow']}")
+
+
+def _missing(what):
+    return InternalsError(
+        f"tfpar relies on {what}, which this Keras/TensorFlow does not have ({_versions()}). "
+        f"Install the tested versions (pip install keras=={TESTED_WITH['keras']} "
+        f"tensorflow=={TESTED_WITH['tensorflow']}) or a tfpar release made for yours.")
+
+
+@functools.lru_cache(maxsize=None)
+def symbol(path):
+    """The private module, class or function at dotted `path` (listed in SYMBOLS)."""
+    if path not in SYMBOLS:
+        raise KeyError(f"{path} is not in tfpar's manifest of privates (internals.SYMBOLS).")
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[split:]:
+                value = getattr(value, name)
+        except AttributeError:
+            break
+        return value
+    raise _missing(f"the private {path}")
+
+
+_NOTHING = object()
+
+
+def attr(obj, name):
+    """`obj.name` for a private attribute listed in ATTRIBUTES; InternalsError if missing."""
+    if name not in ATTRIBUTES:
+        raise KeyError(f"{name} is not in tfpar's manifest of privates (internals.ATTRIBUTES).")
+    value = getattr(obj, name, _NOTHING)
+    if value is _NOTHING:
+        raise _missing(f"the private attribute {type(obj).__name__}.{name}")
+    return value
+
+
+def check(condition, what):
+    """Fails closed when a private no longer has the shape tfpar reads it in."""
+    if not condition:
+        raise _missing(what)
