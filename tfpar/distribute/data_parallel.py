@@ -47,6 +47,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
       >>> _ = model.fit(np.zeros((8, 2)), np.zeros(8), batch_size=4, verbose=0)
     """
 
+    # Read by the Keras seam (tfpar.keras.replicas): losses normalized over the global
+    # batch, BatchNorm statistics averaged over replicas, gradient accumulation.
+    _tfpar_exact_replicas = True
+    _tfpar_mirrored = True
+
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None):
         if cls is DataParallelStrategy:
@@ -69,6 +74,7 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         extended = _DataParallelExtended(
             self, resolved, self.communication, bytes_per_pack)
         super(tf.distribute.MirroredStrategy, self).__init__(extended)
+        keras_hooks.install_exact_replicas()
 
     def __repr__(self):
         return (f"DataParallelStrategy(replicas={self.num_replicas_in_sync}, "
@@ -124,6 +130,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
             self, cluster_resolver=resolver, communication_options=options)
         super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
         keras_hooks.install_multi_worker_callbacks()
+        keras_hooks.install_exact_replicas()
 
     def reduce(self, reduce_op, value, axis):
         # Keras' multi-worker path reduces scalar step outputs (loss, metrics) with

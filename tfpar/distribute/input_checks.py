@@ -5,11 +5,15 @@ import tensorflow as tf
 from tfpar.plan import batching
 
 
-def check_first_batch(dataset, num_replicas):
+def check_first_batch(dataset, num_replicas, in_pipeline=True):
     """Fails fast when a dataset's global batch cannot feed every replica.
 
-    A static batch dimension is checked now. Otherwise the first batch is checked
-    when it is read (later batches may be a legitimate last partial batch).
+    A static batch dimension is checked now. Otherwise, with `in_pipeline`, the first
+    batch is checked when it is read (later batches may be a legitimate last partial
+    batch). Across workers the pipeline is left as it is: any transformation that
+    counts batches (enumerate, scan) makes tf.data's FILE auto-sharding fall back to
+    DATA sharding, so every worker would read every file. A replica whose part is empty
+    there adds nothing to the loss (tfpar normalizes losses by the global count).
     """
     if num_replicas < 2:
         return dataset
@@ -19,6 +23,8 @@ def check_first_batch(dataset, num_replicas):
         return dataset
     if shape[0] is not None:
         batching.check_global_batch(int(shape[0]), num_replicas)
+        return dataset
+    if not in_pipeline:
         return dataset
     message = (
         f"The global batch size is smaller than the number of replicas ({num_replicas}): "

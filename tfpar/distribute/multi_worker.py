@@ -60,5 +60,6 @@ class MultiWorkerExtended(internals.symbol(
         return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _experimental_distribute_dataset(self, dataset, options):
-        dataset = check_first_batch(dataset, internals.attr(self, "_num_replicas_in_sync"))
+        dataset = check_first_batch(
+            dataset, internals.attr(self, "_num_replicas_in_sync"), in_pipeline=False)
         return super()._experimental_distribute_dataset(dataset, options)

@@ -55,6 +55,15 @@ def install_multi_worker_callbacks():
         _wrap_once(cls, name, _chief_only, "_tfpar_chief_only")
 
 
+def install_exact_replicas():
+    """Keras' loss normalization, BatchNorm statistics and gradient accumulation, exact
+    under tfpar's mirrored strategies (see `tfpar.keras.replicas`). Idempotent."""
+    from tfpar.keras import replicas
+
+    for owner, name, wrap in replicas.patches():
+        _wrap_once(owner, name, wrap, "_tfpar_exact_replicas")
+
+
 def install_parameter_server_training():
     """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
     from tfpar.keras import parameter_server as keras_parameter_server

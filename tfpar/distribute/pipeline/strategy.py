@@ -93,6 +93,8 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
       >>> print(strategy.schedule_table())  # doctest: +SKIP
     """
 
+    _tfpar_mirrored = True  # Gradient accumulation by the Keras seam (tfpar.keras.replicas).
+
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None):
         if not isinstance(remat, bool):
@@ -114,6 +116,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
         keras_hooks.install_model_call_hook()
         keras_hooks.install_train_step_hook()
+        keras_hooks.install_exact_replicas()
 
     def __repr__(self):
         return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="

@@ -1,0 +1,225 @@
+"""Keras' training math made exact for replicas that share one global batch.
+
+Under a tfpar mirrored strategy (`DataParallelStrategy`, one host or several workers)
+Keras computes each replica's loss on its own part of the batch. Three Keras habits
+would make N replicas differ from one device on the same global batch; here each
+is replaced, only inside a replica context of a tfpar strategy:
+
+- *Mean losses.* Keras divides each replica's loss by its own count (examples,
+  valid mask entries, or sum of sample weights), then by N. That is the global
+  mean only when every replica has the same count: not for a global batch that
+  does not divide by N, an epoch's last partial batch, masks, or sample weights.
+  Here a replica's loss is its sum divided by the *global* count (one all-reduce
+  of a scalar per loss), so the all-reduced gradient is one device's exactly:
+
+      replicas with 3 and 1 valid tokens, token losses a, b, c | d:
+      Keras:  (a+b+c)/3/2 + d/1/2       tfpar: (a+b+c)/4 + d/4 = mean of all 4
+
+  The loss Keras reports is then the sum over replicas (one more all-reduce).
+- *BatchNorm moving statistics.* Keras creates them with aggregation NONE, so each
+  replica kept its own copy and `model.save` wrote replica 0's. Here they are
+  created with aggregation MEAN: every replica holds the mean of the replicas'
+  updates (identical copies; what is used is what is saved). With
+  `synchronized=True` the batch statistics are global, so they equal one device's.
+- *Gradient accumulation.* Keras' optimizer all-reduces inside a `cond`, which
+  TensorFlow refuses (a merge call in control flow). Here gradients are all-reduced
+  every step before the `cond`, and the accumulate-or-apply choice runs in
+  cross-replica context.
+"""
+
+import functools
+import threading
+
+import tensorflow as tf
+
+from tfpar.keras import internals
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+_local = threading.local()
+
+
+def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
+    """The replica context of a tfpar strategy carrying `marker`, or None.
+
+    `_tfpar_exact_replicas`: strategies whose replicas each run Keras' own step on a
+    part of the batch (data parallelism); `_tfpar_mirrored`: every tfpar mirrored
+    strategy (the pipeline's too, whose step is its own).
+    """
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    if not getattr(tf.distribute.get_strategy(), marker, False):
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync < min_replicas:
+        return None
+    return context
+
+
+def _global_mean(keras_reduce):
+    """Replaces Keras' `reduce_weighted_values` (losses) with global normalization."""
+
+    @functools.wraps(keras_reduce)
+    def reduce_weighted_values(values, sample_weight=None, mask=None,
+                               reduction="sum_over_batch_size", dtype=None):
+        context = _replica_context()
+        if context is None or reduction not in _MEAN_REDUCTIONS:
+            return keras_reduce(values, sample_weight, mask, reduction, dtype)
+        values = tf.convert_to_tensor(values, dtype=dtype)
+        if values.shape.rank == 0:  # Keras leaves a scalar loss as it is.
+            return keras_reduce(values, sample_weight, mask, reduction, dtype)
+        # Keras' own "sum" path weights by mask x sample weight without rescaling.
+        weights = internals.symbol("keras.src.losses.loss.apply_mask")(
+            None if sample_weight is None else tf.cast(sample_weight, values.dtype),
+            None if mask is None else tf.cast(mask, values.dtype),
+            dtype=values.dtype, reduction="sum")
+        squeeze = internals.symbol("keras.src.losses.loss.squeeze_or_expand_to_same_rank")
+        if weights is not None:
+            weights = tf.cast(weights, values.dtype)
+            values, weights = squeeze(values, weights)
+            values = values * weights
+        total = tf.reduce_sum(values)
+        if reduction == "mean_with_sample_weight" and weights is not None:
+            count = tf.reduce_sum(weights)
+        elif mask is not None:
+            mask = tf.cast(mask, values.dtype)
+            count = tf.reduce_sum(mask) * tf.cast(tf.size(values), values.dtype) / tf.cast(
+                tf.size(mask), values.dtype)
+        else:
+            count = tf.cast(tf.size(values), values.dtype)
+        count = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(count, tf.float32))
+        return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
+
+    return reduce_weighted_values
+
+
+def _summed_over_replicas(keras_unscale):
+    """The reported loss: the sum of the replicas' shares, which is the global loss."""
+
+    @functools.wraps(keras_unscale)
+    def unscale_loss_for_distribution(value):
+        context = _replica_context()
+        if context is None:
+            return keras_unscale(value)
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+    return unscale_loss_for_distribution
+
+
+def _mean_aggregated_statistics(build):
+    """BatchNormalization.build: non-trainable weights aggregate by MEAN across replicas."""
+
+    @functools.wraps(build)
+    def wrapper(self, *args, **kwargs):
+        if not getattr(tf.distribute.get_strategy(), "_tfpar_exact_replicas", False):
+            return build(self, *args, **kwargs)
+        add_weight = self.add_weight
+
+        def add_mean_weight(*a, **kw):
+            if not kw.get("trainable", True) and kw.get("aggregation", "none") == "none":
+                kw["aggregation"] = "mean"
+            return add_weight(*a, **kw)
+
+        object.__setattr__(self, "add_weight", add_mean_weight)
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            object.__delattr__(self, "add_weight")
+
+    return wrapper
+
+
+def _accumulation_outside_cond(keras_apply):
+    """TFOptimizer._backend_apply_gradients with gradient accumulation under replicas."""
+
+    @functools.wraps(keras_apply)
+    def apply(self, grads, trainable_variables):
+        context = _replica_context("_tfpar_mirrored", min_replicas=1)
+        steps = self.gradient_accumulation_steps
+        if context is None or not steps or self.use_ema:
+            return keras_apply(self, grads, trainable_variables)
+        index = internals.attr(self, "_get_variable_index")
+        accumulators = [internals.attr(self, "_accumulated_gradients")[index(v)]
+                        for v in trainable_variables]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+        sums = [g + tf.convert_to_tensor(a) for g, a in zip(reduced, accumulators)]
+        # Identical on every replica, so clipping here is clipping once.
+        updates = internals.attr(self, "_clip_gradients")([s / steps for s in sums])
+        variables = [v.value for v in trainable_variables]
+
+        def in_cross_replica_context(strategy, sums, updates):
+            extended = strategy.extended
+            iterations = internals.attr(self, "_iterations")
+            is_update_step = (tf.convert_to_tensor(iterations) + 1) % steps == 0
+
+            def assign(variable, value):
+                extended.update(variable, lambda v, t: v.assign(t), args=(value,), group=False)
+
+            def update():
+                _apply_weight_decay(self, strategy, variables)
+                internals.attr(self, "_distributed_tf_update_step")(
+                    strategy, list(zip(updates, variables)), self.learning_rate)
+                for accumulator in accumulators:
+                    assign(accumulator.value, tf.zeros(accumulator.shape, accumulator.dtype))
+                return tf.constant(True)
+
+            def accumulate():
+                for accumulator, value in zip(accumulators, sums):
+                    assign(accumulator.value, value)
+                return tf.constant(False)
+
+            return tf.cond(is_update_step, update, accumulate)
+
+        context.merge_call(in_cross_replica_context, args=(sums, updates))
+
+    return apply
+
+
+def _build_from_one_replica(keras_build):
+    """TensorFlowTrainer._maybe_symbolic_build: shapes from replica 0's part of the batch.
+
+    Keras averages the first batch over replicas just to learn its shapes, which fails
+    when the replicas' parts differ in size (a batch that does not divide by N).
+    """
+
+    @functools.wraps(keras_build)
+    def build(self, iterator=None, data_batch=None):
+        strategy = internals.attr(self, "_distribute_strategy")
+        if iterator is None or not getattr(strategy, "_tfpar_mirrored", False):
+            return keras_build(self, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tf.nest.map_structure(
+                lambda x: strategy.experimental_local_results(x)[0]
+                if isinstance(x, tf.distribute.DistributedValues) else x, batch)
+            break
+        return keras_build(self, iterator=None, data_batch=data_batch)
+
+    return build
+
+
+def _apply_weight_decay(optimizer, strategy, variables):
+    if optimizer.weight_decay is None:
+        return
+    use = internals.attr(optimizer, "_use_weight_decay")
+    for variable in variables:
+        if use(variable):
+            def decay(v):
+                lr = tf.cast(optimizer.learning_rate, v.dtype)
+                return v.assign_sub(v * tf.cast(optimizer.weight_decay, v.dtype) * lr)
+            strategy.extended.update(variable, decay, group=False)
+
+
+def patches():
+    """What tfpar replaces in Keras for exact replicas: (owner, attribute, wrap)."""
+    import keras
+
+    loss_module = internals.symbol("keras.src.losses.loss")
+    optimizer = internals.symbol("keras.src.backend.tensorflow.optimizer.TFOptimizer")
+    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    return [
+        (trainer, "_maybe_symbolic_build", _build_from_one_replica),
+        (loss_module, "reduce_weighted_values", _global_mean),
+        (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
+        (keras.layers.BatchNormalization, "build", _mean_aggregated_statistics),
+        (optimizer, "_backend_apply_gradients", _accumulation_outside_cond),
+    ]
