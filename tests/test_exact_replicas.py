@@ -112,3 +112,25 @@ def test_multi_worker_input_is_left_for_file_sharding():
     dataset = tf.data.Dataset.range(10).batch(3)
     assert check_first_batch(dataset, 4, in_pipeline=False) is dataset
     assert check_first_batch(dataset, 4) is not dataset  # One host: checked in the pipeline.
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tfpar.DataParallelStrategy(cpus(2)),
+    lambda: tfpar.ModelParallelStrategy(cpus(2)),
+    lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=2),
+], ids=["data", "model", "pipeline"])
+def test_jit_compile_is_refused_before_the_first_step(make):
+    """XLA compiles Keras' whole step for one device: the run failed deep inside TF
+    ("resource located in device CPU:1") or, in a pipeline, XLA was silently dropped."""
+    strategy = make()
+    x, y = _data("dense")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+    initial = model.get_weights()
+    with pytest.raises(ValueError, match="jit_compile=True.*on 2 devices.*jit_compile=False"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    for got, want in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(got, want)
+    assert model.jit_compile  # Not switched off behind the user's back.

@@ -10,6 +10,7 @@ from tfpar.distribute.input_checks import check_first_batch
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras.replicas import xla_refusal
 from tfpar.plan.communication import check_bytes_per_pack, select_communication
 
 
@@ -75,6 +76,11 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
             self, resolved, self.communication, bytes_per_pack)
         super(tf.distribute.MirroredStrategy, self).__init__(extended)
         keras_hooks.install_exact_replicas()
+
+    def _tfpar_xla_refusal(self, model):
+        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
+        return xla_refusal(model, "DataParallelStrategy", "its replicas run",
+                           self.num_replicas_in_sync)
 
     def __repr__(self):
         return (f"DataParallelStrategy(replicas={self.num_replicas_in_sync}, "

@@ -63,6 +63,7 @@ import tensorflow as tf
 
 from tfpar import devices as devices_lib
 from tfpar.keras import hooks as keras_hooks
+from tfpar.keras.replicas import xla_refusal
 from tfpar.distribute import placement as placement_lib
 from tfpar.errors import PlacementError
 from tfpar.keras import internals
@@ -133,12 +134,17 @@ class ModelParallelStrategy(tf.distribute.OneDeviceStrategy):
         extended = _ModelParallelExtended(self, resolved)
         super(tf.distribute.OneDeviceStrategy, self).__init__(extended)
         keras_hooks.install_model_call_hook()
+        keras_hooks.install_exact_replicas()
 
     def __repr__(self):
         placement = self._placement if isinstance(self._placement, str) else type(
             self._placement).__name__
         return (f"ModelParallelStrategy(devices={list(self._display.values())}, "
                 f"placement={placement!r})")
+
+    def _tfpar_xla_refusal(self, model):
+        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
+        return xla_refusal(model, "ModelParallelStrategy", "its layers run", len(self.devices))
 
     @property
     def devices(self):

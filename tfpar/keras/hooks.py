@@ -56,8 +56,9 @@ def install_multi_worker_callbacks():
 
 
 def install_exact_replicas():
-    """Keras' loss normalization, BatchNorm statistics and gradient accumulation, exact
-    under tfpar's mirrored strategies (see `tfpar.keras.replicas`). Idempotent."""
+    """Keras' loss normalization, BatchNorm statistics and gradient accumulation made exact,
+    and jit_compile refused clearly, under tfpar's strategies (`tfpar.keras.replicas`).
+    Idempotent."""
     from tfpar.keras import replicas
 
     for owner, name, wrap in replicas.patches():

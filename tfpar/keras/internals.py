@@ -80,6 +80,7 @@ ATTRIBUTES = {
     "_initial_epoch": "keras.Model",
     "_jit_compile": "keras.Model (compiled)",
     "_maybe_symbolic_build": "TensorFlowTrainer",
+    "_make_function": "TensorFlowTrainer",
     "_get_variable_index": "keras.optimizers.Optimizer",
     "_accumulated_gradients": "keras.optimizers.Optimizer (gradient accumulation)",
     "_clip_gradients": "keras.optimizers.Optimizer",

@@ -197,6 +197,37 @@ def _build_from_one_replica(keras_build):
     return build
 
 
+def _xla_refused_clearly(keras_make_function):
+    """TensorFlowTrainer._make_function: a strategy that XLA cannot compile says so.
+
+    Keras compiles the whole distributed step (every replica or stage, and the
+    all-reduce) as one XLA program, which XLA cannot place on several devices: the run
+    failed with "Trying to access resource ... located in device CPU:1". A tfpar strategy
+    that spans devices refuses `jit_compile=True` before the first step instead.
+    """
+
+    @functools.wraps(keras_make_function)
+    def make_function(self, step_function):
+        strategy = internals.attr(self, "_distribute_strategy")
+        refusal = getattr(strategy, "_tfpar_xla_refusal", None)
+        message = refusal(self) if refusal is not None and self.jit_compile else None
+        if message and not self.run_eagerly:
+            raise ValueError(message)
+        return keras_make_function(self, step_function)
+
+    return make_function
+
+
+def xla_refusal(model, strategy_name, what_runs, num_devices):
+    """Why `jit_compile=True` cannot train `model` on `num_devices` devices, or None."""
+    if num_devices < 2:
+        return None
+    return (f"{strategy_name} cannot train {model.name!r} with jit_compile=True: "
+            f"{what_runs} on {num_devices} devices, and XLA compiles Keras' whole step "
+            f"(computation and communication) into one program for one device. Compile "
+            f"with jit_compile=False (Keras' default under tf.distribute strategies).")
+
+
 def _apply_weight_decay(optimizer, strategy, variables):
     if optimizer.weight_decay is None:
         return
@@ -218,6 +249,7 @@ def patches():
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
     return [
         (trainer, "_maybe_symbolic_build", _build_from_one_replica),
+        (trainer, "_make_function", _xla_refused_clearly),
         (loss_module, "reduce_weighted_values", _global_mean),
         (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
         (keras.layers.BatchNormalization, "build", _mean_aggregated_statistics),

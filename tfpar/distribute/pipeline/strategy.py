@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras.replicas import xla_refusal
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
 from tfpar.distribute.pipeline import execution as pipeline_exec
@@ -229,14 +230,16 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                     for variable in stage.placed_variables:
                         mirrored_placement.move_copies(variable, devices)
                 self.extended.follow_colocated(getattr(model, "optimizer", None))
-            if internals.attr(model, "_jit_compile"):
-                # XLA compiles a step for one device; the pipeline's step spans several.
-                model.jit_compile = False
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
             for sub in [model] + [l for l in internals.attr(model, "_flatten_layers")() if _is_model(l)]:
                 object.__setattr__(sub, "_tfpar_placed_by", self)
+
+    def _tfpar_xla_refusal(self, model):
+        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
+        return xla_refusal(model, "PipelineStrategy", "its stages run",
+                           len({d for row in self._grid for d in row}))
 
     # -- Training (called by the Keras seam for model.train_step) -----------------------
 
@@ -244,11 +247,6 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         import keras
 
         self._place(model)
-        if model.jit_compile:
-            raise ValueError(
-                f"PipelineStrategy runs each stage of {model.name!r} on its own device, which "
-                f"XLA cannot compile into one program. Compile the model with "
-                f"jit_compile=False.")
         replica = _replica_id()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
