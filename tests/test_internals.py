@@ -40,7 +40,9 @@ def _objects():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         mirrored = tf.Variable(1.0)
-    model_objects = [functional, functional.layers[1], functional._compile_loss, sequential,
+    optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    optimizer.build(functional.trainable_variables)
+    model_objects = [optimizer, functional, functional.layers[1], functional._compile_loss, sequential,
                      hidden, functional.weights[0], functional.weights[0]._value, mirrored,
                      mirrored._values[0].handle, strategy.extended,
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended]

@@ -66,7 +66,8 @@ SYMBOLS = {
 ATTRIBUTES = {
     "_aggregate_additional_loss": "keras.Model",
     "_assert_compile_called": "keras.Model",
-    "_call_has_training_arg": "keras.Model",
+    "_call_has_training_arg": "keras.layers.Layer",
+    "_call_has_mask_arg": "keras.layers.Layer",
     "_compile_loss": "keras.Model (compiled)",
     "_compute_loss": "keras.Model",
     "_flat_losses": "the compiled loss of a keras.Model",

@@ -213,6 +213,10 @@ def _xla_refused_clearly(keras_make_function):
         message = refusal(self) if refusal is not None and self.jit_compile else None
         if message and not self.run_eagerly:
             raise ValueError(message)
+        refusal = getattr(strategy, "_tfpar_step_refusal", None)
+        message = refusal(self, step_function) if refusal is not None else None
+        if message:
+            raise ValueError(message)
         return keras_make_function(self, step_function)
 
     return make_function

@@ -8,6 +8,7 @@ import keras
 from tfpar import devices as devices_lib
 from tfpar.distribute import placement
 from tfpar.errors import DeviceError
+from tfpar.keras import internals
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -65,11 +66,16 @@ class OnDevice(keras.layers.Wrapper):
 
     def call(self, inputs, training=None, mask=None):
         kwargs = {}
-        if self.layer._call_has_training_arg:  # pylint: disable=protected-access
+        if internals.attr(self.layer, "_call_has_training_arg"):
             kwargs["training"] = training
-        if mask is not None and self.layer._call_has_mask_arg:  # pylint: disable=protected-access
+        if mask is not None and internals.attr(self.layer, "_call_has_mask_arg"):
             kwargs["mask"] = mask
         return placement.placed_call(self.layer, self._device, inputs, **kwargs)
+
+    @property
+    def pinned_device(self):
+        """The canonical device the layer runs on, or None (device missing here)."""
+        return self._device
 
     def compute_output_shape(self, input_shape):
         return self.layer.compute_output_shape(input_shape)

@@ -4,7 +4,8 @@ Sequential and functional models are graphs of layer calls (Keras `Node`s). The
 calls are taken in an order where each comes after those it reads from, and cut
 into contiguous stages with `tfpar.plan.stages`: where the user put
 `tfpar.layers.StageBoundary` markers, or else into groups of about equal
-parameter count. A stage may only start where exactly one tensor crosses from
+parameter count (all weights, frozen ones too, as `ModelParallelStrategy` counts).
+`tfpar.layers.OnDevice` layers keep their variables on the device they name. A stage may only start where exactly one tensor crosses from
 the earlier calls, so that a stage passes one tensor to the next. A stage runs
 its calls like Keras' `Functional.call` does, from a dict of computed tensors.
 
@@ -143,7 +144,9 @@ def _params(operation, seen):
     if id(operation) in seen:
         return 0
     seen.add(id(operation))
-    return sum(int(_size(w)) for w in getattr(operation, "trainable_weights", ()))
+    # Every weight, trainable or frozen: a frozen backbone still holds memory and
+    # computes its forward (counting trainable weights only put it all in stage 0).
+    return sum(int(_size(w)) for w in getattr(operation, "weights", ()))
 
 
 def _size(variable):
@@ -197,7 +200,9 @@ def build_program(model, num_stages):
         layers = _distinct(node.operation for node in stage_nodes
                            if hasattr(node.operation, "variables"))
         trainable = _distinct(v for layer in layers for v in layer.trainable_variables)
-        own_variables = [v for layer in layers for v in layer.variables if id(v) not in placed]
+        # An OnDevice layer runs on the device it names: its variables live there.
+        own_variables = [v for layer in layers if not _is_pinned(layer)
+                         for v in layer.variables if id(v) not in placed]
         placed.update(id(v) for v in own_variables)
         regularized = [layer for layer in layers if id(layer) not in owned_layers]
         owned_layers.update(id(layer) for layer in layers)
@@ -212,6 +217,23 @@ def build_program(model, num_stages):
             placed_variables=tuple(_distinct(own_variables)), regularized_layers=tuple(regularized),
             seed_variables=seeds))
     return StageProgram(graph, stages)
+
+
+def _is_pinned(layer):
+    from tfpar.layers.on_device import OnDevice
+
+    return isinstance(layer, OnDevice)
+
+
+def pinned_variables(program):
+    """[(variables, device)] of the `OnDevice` layers a program runs."""
+    found, seen = [], set()
+    for stage in program.stages:
+        for layer in stage.layers:
+            if _is_pinned(layer) and id(layer) not in seen and layer.pinned_device:
+                seen.add(id(layer))
+                found.append((tuple(layer.variables), layer.pinned_device))
+    return found
 
 
 def _distinct(items):

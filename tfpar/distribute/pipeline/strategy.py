@@ -25,8 +25,8 @@ How it works:
   plain Keras model (one copy of each variable) that loads anywhere.
 
 Limits: subclassed models have no graph to cut and are refused; a model whose
-class overrides `train_step` keeps its own step (its `self(x)` still runs the
-stages, without the schedule interleaving). BatchNorm computes its statistics per
+class overrides `train_step` is refused by `fit` with a clear error (put custom
+loss logic in `compute_loss`, which is pipelined); `jit_compile=True` is refused. BatchNorm computes its statistics per
 micro-batch (as GPipe does); each micro-batch updates the moving statistics.
 """
 
@@ -229,6 +229,9 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                     devices = [row[stage.index] for row in self._grid]
                     for variable in stage.placed_variables:
                         mirrored_placement.move_copies(variable, devices)
+                for variables, device in pipeline_stages.pinned_variables(program):
+                    for variable in variables:
+                        mirrored_placement.move_copies(variable, [device] * len(self._grid))
                 self.extended.follow_colocated(getattr(model, "optimizer", None))
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
@@ -240,6 +243,21 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
         return xla_refusal(model, "PipelineStrategy", "its stages run",
                            len({d for row in self._grid for d in row}))
+
+    def _tfpar_step_refusal(self, model, step_function):
+        # Asked by the Keras seam before Keras builds a train/test/predict step.
+        import keras
+
+        if getattr(step_function, "__name__", "") != "train_step":
+            return None
+        if type(model).train_step is keras.Model.train_step:
+            return None  # Keras' step, which the seam hands to this strategy.
+        return (f"PipelineStrategy builds the training step of {model.name!r} itself (micro-"
+                f"batches in schedule order), but {type(model).__name__} overrides train_step, "
+                f"which would run outside the schedule (no interleaved forward and backward "
+                f"passes). Move the custom logic into compute_loss (pipelined, with "
+                f"self.compute_loss semantics) and drop the train_step override, or train "
+                f"it with tfpar.ModelParallelStrategy.")
 
     # -- Training (called by the Keras seam for model.train_step) -----------------------
 

@@ -1,0 +1,62 @@
+"""PipelineStrategy and the Keras a user writes: frozen layers, OnDevice, train_step overrides."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar.distribute import mirrored_placement
+from tfpar.distribute.placement import canonical_device
+
+from conftest import cpus
+
+
+def test_frozen_layers_count_when_cutting_stages():
+    """Balancing by trainable weights only put a frozen backbone entirely in stage 0."""
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.Dense(64, trainable=False, name="frozen_a"),
+                                  keras.layers.Dense(64, trainable=False, name="frozen_b"),
+                                  keras.layers.Dense(64, trainable=False, name="frozen_c"),
+                                  keras.layers.Dense(3, name="head")])
+    assert strategy.stages(model) == [["frozen_a", "frozen_b"], ["frozen_c", "head"]]
+
+
+def test_on_device_layer_keeps_its_variables_where_it_runs():
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(8, name="first")(inputs)
+        hidden = keras.layers.Dense(8, name="second")(hidden)
+        outputs = tfpar.layers.OnDevice(keras.layers.Dense(3, name="pinned"), "/cpu:0")(hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert strategy.stages(model)[1][-1] == model.layers[-1].name  # In stage 1 (on CPU:1),
+    pinned = model.layers[-1].layer
+    for variable in pinned.variables:  # but its variables stay on CPU:0, where it runs.
+        assert mirrored_placement.devices_of(variable) == (canonical_device("/cpu:0"),)
+    second = model.get_layer("second")
+    assert mirrored_placement.devices_of(second.kernel) == (canonical_device("/cpu:1"),)
+
+
+class OwnStep(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_a_model_overriding_train_step_is_refused_with_the_fix():
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = OwnStep(inputs, keras.layers.Dense(3)(keras.layers.Dense(5)(inputs)))
+        model.compile("sgd", "mse")
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(ValueError, match="overrides train_step.*compute_loss"):
+        model.fit(x, np.zeros((8, 3), "float32"), batch_size=8, verbose=0)
+    assert model.predict(x, verbose=0).shape == (8, 3)  # Inference is not affected.
