@@ -60,3 +60,39 @@ def test_a_model_overriding_train_step_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="overrides train_step.*compute_loss"):
         model.fit(x, np.zeros((8, 3), "float32"), batch_size=8, verbose=0)
     assert model.predict(x, verbose=0).shape == (8, 3)  # Inference is not affected.
+
+
+@keras.saving.register_keras_serializable("tfpar_tests")
+class MeanSquareLoss(keras.layers.Layer):
+    """Adds the batch mean of x**2 as a loss, like an activity regularizer."""
+
+    def call(self, x):
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _aux_loss_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(6, activity_regularizer=keras.regularizers.L2(0.1)),
+        MeanSquareLoss(), keras.layers.Dense(6), keras.layers.Dense(3)])
+
+
+def test_losses_added_in_call_count_once_in_evaluate_and_custom_loops():
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 3)).astype("float32")
+    reference = _aux_loss_model()
+    reference.compile("sgd", "mse")
+    want = reference.evaluate(x, y, batch_size=16, verbose=0)
+    reference(x)
+    want_losses = float(tf.add_n(reference.losses))
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
+    with strategy.scope():
+        model = _aux_loss_model()
+        model.compile("sgd", "mse")
+    got = model.evaluate(x, y, batch_size=16, verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    model(x)
+    assert len(model.losses) == len(reference.losses)
+    np.testing.assert_allclose(float(tf.add_n(model.losses)), want_losses, rtol=1e-5)

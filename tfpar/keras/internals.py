@@ -89,6 +89,7 @@ ATTRIBUTES = {
     "_distributed_tf_update_step": "TFOptimizer",
     "_use_weight_decay": "keras.optimizers.Optimizer",
     "_loss_tracker": "keras.Model (compiled)",
+    "_losses": "keras.layers.Layer (losses added by its last call)",
     "_nodes_by_depth": "keras Functional",
     "_outputs_struct": "keras Functional",
     "_seed_generators": "keras.layers.Layer",

@@ -423,6 +423,39 @@ def forward(program, devices, num_micro_batches, inputs, training):
                             x = program.run(s, x, training)
                 after[s] = _tensors(x)
             outputs.append(x)
+    if num_micro_batches > 1:
+        size = tf.shape(first)[0] if first is not None else None
+        shares = ([1.0 / num_micro_batches] * num_micro_batches if sizes is None else tf.unstack(
+            tf.cast(sizes, tf.float32) / tf.cast(size, tf.float32), num=num_micro_batches))
+        _merge_micro_batch_losses(program, shares)
     with tf.device(devices[-1]):
         return concat_batch(outputs)
+
+
+def _merge_micro_batch_losses(program, shares):
+    """Each layer's call losses of the M micro-batches -> one loss for the batch.
+
+    Losses added in `call` (activity regularizers, which Keras divides by the batch
+    size; `add_loss` terms) are per-batch means: the batch's is the micro-batches'
+    mean weighted by their shares. Left as they were, M terms would count M times in
+    `evaluate` and in a user's loop over `model.losses`.
+    """
+    in_stateless_scope = internals.symbol(
+        "keras.src.backend.common.stateless_scope.in_stateless_scope")
+    if in_stateless_scope():
+        return  # Keras' symbolic build: nothing ran.
+    m, seen = len(shares), set()
+    for stage in program.stages:
+        for layer in stage.layers:
+            for sub in internals.attr(layer, "_flatten_layers")():
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                losses = internals.attr(sub, "_losses")
+                if not losses or len(losses) % m:
+                    continue
+                k = len(losses) // m  # Terms per call, in call order.
+                losses[:] = [tf.add_n([tf.cast(losses[i * k + j] * tf.cast(
+                    shares[i], losses[i * k + j].dtype), losses[i * k + j].dtype)
+                    for i in range(m)]) for j in range(k)]
 
