@@ -110,12 +110,12 @@ def test_a_missing_private_fails_closed_naming_the_versions(monkeypatch):
 def test_a_changed_compiled_loss_fails_closed():
     """If `_compile_loss._flat_losses` changed shape, the pipeline would scale sum losses
     by 1/M: it must refuse instead."""
-    from tfpar.distribute.pipeline.execution import loss_factor
+    from tfpar.distribute.pipeline.execution import SUM, loss_kind
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
     model._compile_loss.build(tf.zeros((1, 1)), tf.zeros((1, 1)))
-    assert loss_factor(model, 0.25) == 1.0
+    assert loss_kind(model, weighted=False) == SUM
     model._compile_loss._flat_losses = [object()]
     with pytest.raises(InternalsError, match="_flat_losses"):
-        loss_factor(model, 0.25)
+        loss_kind(model, weighted=False)

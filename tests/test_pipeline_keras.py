@@ -96,3 +96,41 @@ def test_losses_added_in_call_count_once_in_evaluate_and_custom_loops():
     model(x)
     assert len(model.losses) == len(reference.losses)
     np.testing.assert_allclose(float(tf.add_n(model.losses)), want_losses, rtol=1e-5)
+
+
+def _dense_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def test_mean_with_sample_weight_is_weighted_by_sample_weights():
+    """Micro-batches weighted by example counts are wrong for this reduction: each
+    divides by its own sum of sample weights."""
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = np.random.default_rng(1).integers(0, 3, 32)
+    weights = np.random.default_rng(2).uniform(0.1, 2.0, 32).astype("float32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      reduction="mean_with_sample_weight")
+    reference = _dense_model()
+    reference.compile(keras.optimizers.SGD(0.5), loss)
+    reference.fit(x, y, sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
+    with strategy.scope():
+        model = _dense_model()
+        model.compile(keras.optimizers.SGD(0.5), loss)
+    model.fit(x, y, sample_weight=weights, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_masked_mean_losses_are_refused_with_the_fix():
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(4, 3, mask_zero=True),
+                                  keras.layers.SimpleRNN(4, return_sequences=True),
+                                  keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).integers(0, 4, (8, 5))
+    with pytest.raises(ValueError, match="outputs are masked.*reduction='sum'"):
+        model.fit(x, np.zeros((8, 5), "int32"), batch_size=8, verbose=0)

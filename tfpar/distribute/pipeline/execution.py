@@ -49,7 +49,8 @@ from tfpar.keras import internals
 from tfpar.plan.schedule import FORWARD, execution_order
 from tfpar.plan.stages import check_micro_batches
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_COUNT_MEANS = ("sum_over_batch_size", "mean")
+COUNT, WEIGHT, SUM = "count", "weight", "sum"  # How a batch's loss is made of its parts.
 
 
 def _tensors(structure):
@@ -155,11 +156,12 @@ def has_custom_compute_loss(model):
     return type(model).compute_loss is not trainer.compute_loss
 
 
-def loss_factor(model, share):
-    """What a micro-batch's compiled loss is multiplied by so that they sum to the batch's.
+def loss_kind(model, weighted):
+    """How the compiled loss of a batch is made of its micro-batches' losses.
 
-    `share`: the micro-batch's fraction of the batch's examples. Means are weighted by
-    it; sums add up as they are.
+    COUNT: means over examples, weighted by each micro-batch's share of the examples;
+    WEIGHT: `mean_with_sample_weight` with sample weights, weighted by each one's share
+    of the sample weights; SUM: sums, added as they are.
     """
     compile_loss = internals.attr(model, "_compile_loss")
     entries = internals.attr(compile_loss, "_flat_losses") if compile_loss is not None else ()
@@ -167,15 +169,22 @@ def loss_factor(model, share):
         all(isinstance(e, tuple) and len(e) > 1 and hasattr(e[1], "reduction") for e in entries),
         "compiled losses as (loss, Loss with a reduction, ...) entries in _flat_losses")
     reductions = {entry[1].reduction for entry in entries}
-    if reductions <= set(_MEAN_REDUCTIONS):
-        return share
+    if weighted:
+        reductions = {WEIGHT if r == "mean_with_sample_weight" else r for r in reductions}
+    else:
+        reductions = {"mean" if r == "mean_with_sample_weight" else r for r in reductions}
+    if not reductions or reductions <= set(_COUNT_MEANS):
+        return COUNT
+    if reductions == {WEIGHT}:
+        return WEIGHT
     if reductions == {"sum"}:
-        return 1.0
+        return SUM
     raise ValueError(
         f"PipelineStrategy adds the losses of micro-batches to get the loss of the batch, "
         f"which works for losses with reduction 'sum_over_batch_size' (Keras' default), "
-        f"'mean' or 'sum', all alike. The compiled losses use reductions "
-        f"{sorted(map(str, reductions))}. Compile with losses of one of these reductions.")
+        f"'mean', 'mean_with_sample_weight' or 'sum', all alike. The compiled losses use "
+        f"reductions {sorted(map(str, reductions))}. Compile with losses of one of these "
+        f"reductions.")
 
 
 class TrainStep:
@@ -222,11 +231,11 @@ class TrainStep:
             if first.shape[0] is not None:
                 check_micro_batches(int(first.shape[0]) * self.num_replicas, m,
                                     self.num_replicas)
-            elif m > 1:
+            elif m > 1 or self.num_replicas > 1:
                 size = tf.shape(first)[0]
-                sizes = micro_batch_sizes(size, m, nonempty=True)
-                self.shares = tf.unstack(
-                    tf.cast(sizes, tf.float32) / tf.cast(size, tf.float32), num=m)
+                sizes = micro_batch_sizes(size, m, nonempty=True) if m > 1 else None
+                self.shares = self._global_shares(
+                    [size] if sizes is None else tf.unstack(sizes, num=m))
         with tf.device(self.devices[0]):
             flat = self.program.standardize(x)
             for i, part in enumerate(split_batch(flat, m, sizes)):
@@ -236,6 +245,13 @@ class TrainStep:
         with tf.device(self.devices[-1]):
             self.y_parts = split_batch(y, m, sizes)
             self.weight_parts = split_batch(sample_weight, m, sizes)
+            self.kind = SUM if self.custom_loss else (
+                loss_kind(self.model, sample_weight is not None)
+                if internals.attr(self.model, "_compile_loss") is not None else COUNT)
+            self.loss_shares = self.shares
+            if self.kind == WEIGHT:
+                self.loss_shares = self._global_shares(
+                    [tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.weight_parts])
         with tf.name_scope(f"pipeline_r{self.replica}"):
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
@@ -248,6 +264,21 @@ class TrainStep:
             y_pred = concat_batch(self.outputs)
         grads = [self.grads.get(id(v)) for v in self.model.trainable_weights]
         return loss, y_pred, grads
+
+    def _global_shares(self, parts):
+        """Each micro-batch's part of the global batch (examples or sample weights), times
+        R: Keras divides every replica's mean loss by R. Replicas may differ in size (an
+        epoch's last batch), so the total is summed over replicas.
+
+            R=2, replica 0 holds 3 + 3 examples, replica 1 holds 2 + 2:
+            shares on replica 0: 3/10 * 2 = 0.6 each (not 1/M = 0.5)
+        """
+        parts = [tf.cast(p, tf.float32) for p in parts]
+        total = tf.add_n(parts)
+        if self.num_replicas > 1:
+            total = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, total)
+        return [p / total * self.num_replicas for p in parts]
 
     @contextlib.contextmanager
     def _in_order(self, action):
@@ -295,11 +326,25 @@ class TrainStep:
                 sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
         elif internals.attr(model, "_compile_loss") is not None:
+            self._refuse_masked_means(y_pred)
             loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
-            factor = loss_factor(model, self.shares[m])
+            factor = 1.0 if self.kind == SUM else self.loss_shares[m]
         else:
             return None
         return None if loss is None else tf.cast(loss, tf.float32) * factor
+
+    def _refuse_masked_means(self, y_pred):
+        get_keras_mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")
+        masked = any(get_keras_mask(t) is not None for t in tf.nest.flatten(y_pred)
+                     if isinstance(t, tf.Tensor))
+        if masked and self.kind != SUM and self.schedule.num_micro_batches > 1:
+            raise ValueError(
+                f"PipelineStrategy cannot train {self.model.name!r} equal to one device: its "
+                f"outputs are masked, so a mean loss divides by the batch's valid entries, "
+                f"which the pipeline only knows after the last micro-batch (1F1B starts the "
+                f"backward before). Compile the loss with reduction='sum' (and a learning "
+                f"rate scaled to it), or use num_micro_batches=1, or "
+                f"tfpar.DataParallelStrategy (exact for masked losses).")
 
     def _variables(self, s):
         if self.custom_loss and s == self.schedule.num_stages - 1:

@@ -270,9 +270,13 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
                                        self._schedule, self._remat, replica, len(self._grid))
         loss, y_pred, grads = step(x, y, sample_weight)
-        unscale = internals.symbol("keras.src.losses.loss.unscale_loss_for_distribution")
+        # The replicas' losses add up to the global batch's (their shares are global), so
+        # their sum is what every replica reports.
+        if len(self._grid) > 1:
+            loss = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, loss)
         internals.attr(model, "_loss_tracker").update_state(
-            unscale(loss),
+            loss,
             sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0])
         if model.trainable_weights:
             model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
