@@ -245,13 +245,7 @@ class TrainStep:
         with tf.device(self.devices[-1]):
             self.y_parts = split_batch(y, m, sizes)
             self.weight_parts = split_batch(sample_weight, m, sizes)
-            self.kind = SUM if self.custom_loss else (
-                loss_kind(self.model, sample_weight is not None)
-                if internals.attr(self.model, "_compile_loss") is not None else COUNT)
-            self.loss_shares = self.shares
-            if self.kind == WEIGHT:
-                self.loss_shares = self._global_shares(
-                    [tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.weight_parts])
+        self.kind = None  # Known once the compiled loss has been built (its first call).
         with tf.name_scope(f"pipeline_r{self.replica}"):
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
@@ -326,12 +320,22 @@ class TrainStep:
                 sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
         elif internals.attr(model, "_compile_loss") is not None:
-            self._refuse_masked_means(y_pred)
             loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
+            if self.kind is None:
+                self._weigh_losses()
+            self._refuse_masked_means(y_pred)
             factor = 1.0 if self.kind == SUM else self.loss_shares[m]
         else:
             return None
         return None if loss is None else tf.cast(loss, tf.float32) * factor
+
+    def _weigh_losses(self):
+        weighted = self.weight_parts[0] is not None
+        self.kind = loss_kind(self.model, weighted)
+        self.loss_shares = self.shares
+        if self.kind == WEIGHT:
+            self.loss_shares = self._global_shares(
+                [tf.reduce_sum(tf.cast(w, tf.float32)) for w in self.weight_parts])
 
     def _refuse_masked_means(self, y_pred):
         get_keras_mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")
