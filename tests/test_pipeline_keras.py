@@ -134,3 +134,42 @@ def test_masked_mean_losses_are_refused_with_the_fix():
     x = np.random.default_rng(0).integers(0, 4, (8, 5))
     with pytest.raises(ValueError, match="outputs are masked.*reduction='sum'"):
         model.fit(x, np.zeros((8, 5), "int32"), batch_size=8, verbose=0)
+
+
+@keras.saving.register_keras_serializable("tfpar_tests")
+class WeightedAuxLoss(keras.Model):
+    """A custom compute_loss that weighs the losses layers add (model.losses) by 3."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = keras.ops.mean(keras.ops.square(y_pred - y))
+        extra = [self._aggregate_additional_loss(l) for l in self.losses]
+        return loss + 3.0 * keras.ops.sum(keras.ops.stack(extra)) if extra else loss
+
+
+def _custom_loss_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                activity_regularizer=keras.regularizers.L2(0.5))(inputs)
+    hidden = keras.layers.Dense(8, activation="tanh")(hidden)
+    hidden = keras.layers.Dense(8, activity_regularizer=keras.regularizers.L2(0.5))(hidden)
+    return WeightedAuxLoss(inputs, keras.layers.Dense(3)(hidden))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_custom_compute_loss_trains_every_stage_on_the_losses_it_reads(schedule):
+    """The earlier stages' activity-regularizer gradients were dropped (their losses were
+    computed outside the last stage's tape)."""
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(32, 3)).astype("float32")
+    reference = _custom_loss_model()
+    reference.compile(keras.optimizers.SGD(0.2))
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule=schedule)
+    with strategy.scope():
+        model = _custom_loss_model()
+        model.compile(keras.optimizers.SGD(0.2))
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert strategy.stages(model)[0][0] == model.layers[1].name
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

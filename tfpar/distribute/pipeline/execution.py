@@ -209,6 +209,11 @@ class TrainStep:
         self.inputs = [[None] * m for _ in range(k)]  # What each stage reads, per micro-batch.
         self.kept = [[None] * m for _ in range(k)]  # Tapes, or inputs under remat.
         self.upstream = [[None] * m for _ in range(k)]  # Gradient of each stage's output.
+        # With a custom compute_loss, which reads model.losses at the last stage: each
+        # earlier stage's call losses per micro-batch, and the gradient the last stage
+        # sends back to them.
+        self.call_losses = [[None] * m for _ in range(k)]
+        self.aux_upstream = [[None] * m for _ in range(k)]
         self.after = [[] for _ in range(k)]  # The outputs of each stage's previous action.
         self.grads = {}  # id(variable) -> gradient summed so far.
         self.outputs = [None] * m  # The model's outputs, per micro-batch.
@@ -293,11 +298,21 @@ class TrainStep:
         """Runs stage s on x. Returns (output for the next stage, differentiable targets)."""
         s, m = action.stage, action.micro_batch
         y = self.program.run(s, x, training=True)
-        aux = self.program.call_losses(s) if not self.custom_loss else []
-        aggregate = internals.attr(self.model, "_aggregate_additional_loss")
-        aux = [tf.cast(aggregate(l), tf.float32) * self.shares[m]
-               for l in aux]
-        if s < self.schedule.num_stages - 1:
+        last = s == self.schedule.num_stages - 1
+        if self.custom_loss:
+            aux = []
+            if not last:
+                # compute_loss (last stage) adds these through model.losses; this stage
+                # differentiates them with the gradient it sends back.
+                snapshot = self.program.snapshot_losses(s)
+                if not rerun:
+                    self.call_losses[s][m] = snapshot
+                return y, [y] + [t for _, losses in snapshot for t in losses]
+        else:
+            aggregate = internals.attr(self.model, "_aggregate_additional_loss")
+            aux = [tf.cast(aggregate(l), tf.float32) * self.shares[m]
+                   for l in self.program.call_losses(s)]
+        if not last:
             if not rerun:
                 self.losses.extend(aux)
             return y, [y] + aux
@@ -315,6 +330,17 @@ class TrainStep:
     def _loss(self, m, y_pred):
         model = self.model
         if self.custom_loss:
+            earlier = [self.call_losses[s][m] for s in range(self.schedule.num_stages - 1)]
+            if any(earlier):
+                if self.remat:
+                    raise ValueError(
+                        f"PipelineStrategy(remat=True) cannot yet differentiate the losses "
+                        f"that earlier stages of {model.name!r} add in call (add_loss, "
+                        f"activity regularizers) through a custom compute_loss. Use "
+                        f"remat=False, or Keras' own compute_loss.")
+                for snapshot in earlier:
+                    self.program.restore_losses(snapshot or ())
+                self._tape_of_last_stage.watch(self._earlier_aux(m))
             loss = internals.attr(model, "_compute_loss")(
                 x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
                 sample_weight=self.weight_parts[m], training=True)
@@ -368,6 +394,7 @@ class TrainStep:
                     self.kept[s][m] = (x, states)
                 else:
                     tape = tf.GradientTape()
+                    self._tape_of_last_stage = tape
                     with tape:
                         tape.watch(_floats(x))
                         y, targets = self._stage(action, x)
@@ -408,14 +435,32 @@ class TrainStep:
         seeds = [self._scaled(tf.ones_like(t)) for t in targets]
         if upstream is not None:
             seeds[0] = upstream
+        if self.custom_loss and upstream is not None:  # Call losses: as the last stage says.
+            sent = self.aux_upstream[s][m] or [None] * (len(targets) - 1)
+            seeds[1:] = [g if g is not None else tf.zeros_like(t)
+                         for g, t in zip(sent, targets[1:])]
         inputs = _floats(x) if s > 0 else []
         variables = self._variables(s)
-        grads = tape.gradient(targets, inputs + variables, output_gradients=seeds)
+        earlier = self._earlier_aux(m) if self.custom_loss and upstream is None else []
+        grads = tape.gradient(targets, inputs + variables + earlier, output_gradients=seeds)
+        if earlier:
+            self._send_aux_gradients(m, grads[len(grads) - len(earlier):])
+            grads = grads[:len(grads) - len(earlier)]
         done = []
         if s > 0:
             self.upstream[s - 1][m] = grads[0] if inputs else None
             done += [g for g in grads[:len(inputs)] if g is not None]
         return done + self._add(variables, grads[len(inputs):])
+
+    def _earlier_aux(self, m):
+        return [t for s in range(self.schedule.num_stages - 1)
+                for _, losses in (self.call_losses[s][m] or ()) for t in losses]
+
+    def _send_aux_gradients(self, m, grads):
+        grads = list(grads)
+        for s in range(self.schedule.num_stages - 1):
+            n = sum(len(losses) for _, losses in (self.call_losses[s][m] or ()))
+            self.aux_upstream[s][m], grads = grads[:n], grads[n:]
 
     def _add(self, variables, grads):
         changed = []

@@ -106,6 +106,24 @@ class StageProgram:
                         losses.append(loss)
         return losses
 
+    def snapshot_losses(self, index):
+        """[(layer, its call losses)] of the stage's layers after their last call."""
+        snapshot, seen = [], set()
+        for layer in self.stages[index].layers:
+            for sub in internals.attr(layer, "_flatten_layers")():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    losses = list(internals.attr(sub, "_losses"))
+                    if losses:
+                        snapshot.append((sub, losses))
+        return snapshot
+
+    @staticmethod
+    def restore_losses(snapshot):
+        """Puts back the call losses a `snapshot_losses` saw (another micro-batch ran since)."""
+        for layer, losses in snapshot:
+            internals.attr(layer, "_losses")[:] = losses
+
     def regularization_losses(self, index):
         """The weight-regularizer losses of the layers the stage owns."""
         return [loss for layer in self.stages[index].regularized_layers
