@@ -134,3 +134,40 @@ def test_jit_compile_is_refused_before_the_first_step(make):
     for got, want in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(got, want)
     assert model.jit_compile  # Not switched off behind the user's back.
+
+
+@keras.saving.register_keras_serializable("tfpar_tests")
+class HalfMeanSquare(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def _with_call_losses():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.1)),
+        HalfMeanSquare(), keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_each_replica_trains_on_its_own_call_losses(replicas):
+    """A layer's call losses are one list shared by the replicas: after a sync point
+    (the global loss normalization) a replica read another replica's losses."""
+    x, y = _data("dense")
+
+    def run(strategy):
+        with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
+            model = _with_call_losses()
+            model.compile(keras.optimizers.SGD(0.1),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x[:32], y[:32], batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), history.history["loss"], model.evaluate(
+            x[:32], y[:32], batch_size=16, verbose=0)
+
+    want, got = run(None), run(tfpar.DataParallelStrategy(cpus(replicas)))
+    for g, w in zip(got[0], want[0]):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)

@@ -74,6 +74,7 @@ ATTRIBUTES = {
     "_flatten_layers": "keras.layers.Layer",
     "_flatten_metrics_in_order": "keras.Model",
     "_get_own_losses": "keras.layers.Layer",
+    "_clear_losses": "keras.layers.Layer",
     "_get_regularization_losses": "keras.layers.Layer",
     "_inbound_nodes": "keras.layers.Layer",
     "_keras_history": "KerasTensor of a functional graph",

@@ -21,6 +21,11 @@ is replaced, only inside a replica context of a tfpar strategy:
   created with aggregation MEAN: every replica holds the mean of the replicas'
   updates (identical copies; what is used is what is saved). With
   `synchronized=True` the batch statistics are global, so they equal one device's.
+- *Losses added in call.* A layer keeps the losses of its last call (activity
+  regularizers, `add_loss`) in one Python list, shared by the replicas, whose step
+  functions TensorFlow traces in turns: once a replica waits for the others (the
+  all-reduce above, or synchronized BatchNorm), the next one's forward replaces the list
+  and the first then reads the other replica's losses. Here each replica has its own.
 - *Gradient accumulation.* Keras' optimizer all-reduces inside a `cond`, which
   TensorFlow refuses (a merge call in control flow). Here gradients are all-reduced
   every step before the `cond`, and the accumulate-or-apply choice runs in
@@ -90,6 +95,54 @@ def _global_mean(keras_reduce):
         return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
 
     return reduce_weighted_values
+
+
+def _replica_id():
+    return internals.symbol(
+        "tensorflow.python.distribute.values_util.get_current_replica_id_as_int")() or 0
+
+
+def _own_losses(layer):
+    """This replica's call losses of `layer` (a list kept on the layer, per replica)."""
+    store = layer.__dict__.setdefault("_tfpar_replica_losses", {})
+    return store.setdefault(_replica_id(), [])
+
+
+def _per_replica():
+    return _replica_context() is not None and not internals.symbol(
+        "keras.src.backend.common.stateless_scope.in_stateless_scope")()
+
+
+def _add_loss_per_replica(keras_add_loss):
+    @functools.wraps(keras_add_loss)
+    def add_loss(self, loss):
+        if not _per_replica():
+            return keras_add_loss(self, loss)
+        shared = internals.attr(self, "_losses")
+        before = len(shared)
+        keras_add_loss(self, loss)  # Validates, and appends to the shared list;
+        added = shared[before:]  # replicas are traced in turns, so these are ours.
+        del shared[before:]
+        _own_losses(self).extend(added)
+    return add_loss
+
+
+def _own_losses_per_replica(keras_get_own_losses):
+    @functools.wraps(keras_get_own_losses)
+    def get_own_losses(self):
+        if not _per_replica():
+            return keras_get_own_losses(self)
+        return list(_own_losses(self))
+    return get_own_losses
+
+
+def _clear_losses_per_replica(keras_clear_losses):
+    @functools.wraps(keras_clear_losses)
+    def clear_losses(self):
+        keras_clear_losses(self)
+        if _per_replica():
+            _own_losses(self).clear()
+    return clear_losses
 
 
 def _summed_over_replicas(keras_unscale):
@@ -257,5 +310,8 @@ def patches():
         (loss_module, "reduce_weighted_values", _global_mean),
         (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
         (keras.layers.BatchNormalization, "build", _mean_aggregated_statistics),
+        (keras.layers.Layer, "add_loss", _add_loss_per_replica),
+        (keras.layers.Layer, "_get_own_losses", _own_losses_per_replica),
+        (keras.layers.Layer, "_clear_losses", _clear_losses_per_replica),
         (optimizer, "_backend_apply_gradients", _accumulation_outside_cond),
     ]
