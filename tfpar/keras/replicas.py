@@ -32,6 +32,7 @@ is replaced, only inside a replica context of a tfpar strategy:
   cross-replica context.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -60,13 +61,38 @@ def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
     return context
 
 
+@contextlib.contextmanager
+def own_loss_normalization():
+    """Keras' own loss reduction meanwhile, in this replica's thread: a step that weighs
+    its parts itself (the pipeline's micro-batches) asks for it."""
+    previous = getattr(_local, "suspended", False)
+    _local.suspended = True
+    try:
+        yield
+    finally:
+        _local.suspended = previous
+
+
+def call_losses(layer):
+    """The losses `layer` added in its last call (this replica's, under tfpar replicas)."""
+    if _per_replica():
+        return list(_own_losses(layer))
+    return list(internals.attr(layer, "_losses"))
+
+
+def set_call_losses(layer, losses):
+    """Replaces the losses `layer` added in its last call (see `call_losses`)."""
+    target = _own_losses(layer) if _per_replica() else internals.attr(layer, "_losses")
+    target[:] = losses
+
+
 def _global_mean(keras_reduce):
     """Replaces Keras' `reduce_weighted_values` (losses) with global normalization."""
 
     @functools.wraps(keras_reduce)
     def reduce_weighted_values(values, sample_weight=None, mask=None,
                                reduction="sum_over_batch_size", dtype=None):
-        context = _replica_context()
+        context = None if getattr(_local, "suspended", False) else _replica_context()
         if context is None or reduction not in _MEAN_REDUCTIONS:
             return keras_reduce(values, sample_weight, mask, reduction, dtype)
         values = tf.convert_to_tensor(values, dtype=dtype)
@@ -150,7 +176,7 @@ def _summed_over_replicas(keras_unscale):
 
     @functools.wraps(keras_unscale)
     def unscale_loss_for_distribution(value):
-        context = _replica_context()
+        context = None if getattr(_local, "suspended", False) else _replica_context()
         if context is None:
             return keras_unscale(value)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from tfpar.distribute.placement import placed_call
 from tfpar.keras import internals
+from tfpar.keras import replicas
 from tfpar.plan.schedule import FORWARD, execution_order
 from tfpar.plan.stages import check_micro_batches
 
@@ -545,11 +546,11 @@ def _merge_micro_batch_losses(program, shares):
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))
-                losses = internals.attr(sub, "_losses")
+                losses = replicas.call_losses(sub)
                 if not losses or len(losses) % m:
                     continue
                 k = len(losses) // m  # Terms per call, in call order.
-                losses[:] = [tf.add_n([tf.cast(losses[i * k + j] * tf.cast(
+                replicas.set_call_losses(sub, [tf.add_n([tf.cast(losses[i * k + j] * tf.cast(
                     shares[i], losses[i * k + j].dtype), losses[i * k + j].dtype)
-                    for i in range(m)]) for j in range(k)]
+                    for i in range(m)]) for j in range(k)])
 

@@ -20,6 +20,7 @@ import dataclasses
 
 from tfpar.errors import PlacementError
 from tfpar.keras import internals
+from tfpar.keras import replicas
 from tfpar.plan import stages as stages_plan
 
 
@@ -113,7 +114,7 @@ class StageProgram:
             for sub in internals.attr(layer, "_flatten_layers")():
                 if id(sub) not in seen:
                     seen.add(id(sub))
-                    losses = list(internals.attr(sub, "_losses"))
+                    losses = replicas.call_losses(sub)
                     if losses:
                         snapshot.append((sub, losses))
         return snapshot
@@ -122,7 +123,7 @@ class StageProgram:
     def restore_losses(snapshot):
         """Puts back the call losses a `snapshot_losses` saw (another micro-batch ran since)."""
         for layer, losses in snapshot:
-            internals.attr(layer, "_losses")[:] = losses
+            replicas.set_call_losses(layer, losses)
 
     def regularization_losses(self, index):
         """The weight-regularizer losses of the layers the stage owns."""

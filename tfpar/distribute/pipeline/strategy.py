@@ -44,7 +44,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
-from tfpar.keras.replicas import xla_refusal
+from tfpar.keras.replicas import own_loss_normalization, xla_refusal
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
 from tfpar.distribute.pipeline import execution as pipeline_exec
@@ -94,7 +94,11 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
       >>> print(strategy.schedule_table())  # doctest: +SKIP
     """
 
-    _tfpar_mirrored = True  # Gradient accumulation by the Keras seam (tfpar.keras.replicas).
+    # Read by the Keras seam (tfpar.keras.replicas): evaluate's losses normalized over the
+    # global batch, BatchNorm statistics averaged over pipeline replicas, gradient
+    # accumulation. The train step weighs its micro-batches itself.
+    _tfpar_exact_replicas = True
+    _tfpar_mirrored = True
 
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None):
@@ -269,7 +273,8 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
                                        self._schedule, self._remat, replica, len(self._grid))
-        loss, y_pred, grads = step(x, y, sample_weight)
+        with own_loss_normalization():
+            loss, y_pred, grads = step(x, y, sample_weight)
         # The replicas' losses add up to the global batch's (their shares are global), so
         # their sum is what every replica reports.
         if len(self._grid) > 1:
