@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfpar.distribute.ps_sync import SYNC, SyncGradients
 from tfpar.keras import internals
+from tfpar.keras import steps
 
 def patches():
     """What tfpar replaces in Keras for parameter servers: (owner, attribute, wrap).
@@ -151,15 +152,12 @@ def _gradients(tape, loss, variables):
 
 def _forward_backward(model, data):
     """Keras' TensorFlow train step up to the gradients; updates the metrics."""
-    unscale = internals.symbol("keras.src.losses.loss.unscale_loss_for_distribution")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     with tf.GradientTape() as tape:
-        y_pred = model(x, training=True) if internals.attr(model, "_call_has_training_arg") else model(x)
-        loss = internals.attr(model, "_compute_loss")(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                   training=True)
-        internals.attr(model, "_loss_tracker").update_state(
-            unscale(loss),
-            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0])
+        y_pred = steps.call_model(model, x, training=True)
+        loss = internals.attr(model, "_compute_loss")(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+        steps.track_loss(model, loss, x)
         if model.optimizer is not None:
             loss = model.optimizer.scale_loss(loss)
     gradients = _gradients(tape, loss, model.trainable_weights)
@@ -175,10 +173,6 @@ def _train_step(model, data):
 def _overrides_train_step(model):
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
     return type(model).train_step is not trainer.train_step
-
-
-def _batch_size(data):
-    return tf.shape(keras.tree.flatten(data)[0])[0]
 
 
 # -- data ---------------------------------------------------------------------
@@ -341,7 +335,7 @@ class _SyncEpochs:
         model, gradients = self.model, self.gradients
 
         def step(data):
-            gradients.store(part, _forward_backward(model, data), _batch_size(data))
+            gradients.store(part, _forward_backward(model, data), steps.batch_size(data))
         return _cached(model, ("sync_part", self.parts, part), lambda: step)
 
     def _apply_step(self, num_parts):

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import steps
 from tfpar.keras.replicas import own_loss_normalization, xla_refusal
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
@@ -275,14 +276,9 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
                                        self._schedule, self._remat, replica, len(self._grid))
         with own_loss_normalization():
             loss, y_pred, grads = step(x, y, sample_weight)
-        # The replicas' losses add up to the global batch's (their shares are global), so
-        # their sum is what every replica reports.
-        if len(self._grid) > 1:
-            loss = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, loss)
-        internals.attr(model, "_loss_tracker").update_state(
-            loss,
-            sample_weight=tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0])
+        # The replicas' losses add up to the global batch's (their shares are global);
+        # the seam reports their sum.
+        steps.track_loss(model, loss, x)
         if model.trainable_weights:
             model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -1,0 +1,29 @@
+"""Pieces of Keras' TensorFlow train step that tfpar's own steps (the pipeline's, the
+parameter servers') share, so that each does what Keras' does."""
+
+import keras
+import tensorflow as tf
+
+from tfpar.keras import internals
+
+
+def batch_size(x):
+    """The number of examples in a batch of model inputs."""
+    return tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
+
+
+def track_loss(model, loss, x):
+    """Updates the model's loss metric with a step's (replica-scaled) loss, as Keras does.
+
+    Under tfpar's data-parallel replicas the seam makes the unscaling a sum over
+    replicas, which is the global batch's loss (`tfpar.keras.replicas`).
+    """
+    unscale = internals.symbol("keras.src.losses.loss.unscale_loss_for_distribution")
+    internals.attr(model, "_loss_tracker").update_state(unscale(loss), sample_weight=batch_size(x))
+
+
+def call_model(model, x, training):
+    """`model(x)`, passing `training` when the model's call takes it."""
+    if internals.attr(model, "_call_has_training_arg"):
+        return model(x, training=training)
+    return model(x)
