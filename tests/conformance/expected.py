@@ -1,0 +1,130 @@
+"""What each (feature x strategy) cell must do, what fails today, and the README table.
+
+EXPECTED maps every cell to its target:
+- "equal": weights, epoch logs, evaluate and predict equal one device's (feature tolerance);
+- "documented:<reason>": a different semantic, checked exactly against a one-device emulation
+  of it (semantics.py);
+- "error:<ExceptionType>:<fragment>": fit raises that (type or a base class of it, message
+  containing the fragment) before the first step.
+KNOWN_GAPS maps the cells that miss their target today (tfpar bugs or gaps) to the reason,
+with what was measured; their tests are strict xfails, so a fix turns them into failures
+until the entry is removed here.
+"""
+
+import harness
+
+EQUAL = "equal"
+MULTI_WORKER = "mw2"  # DataParallelStrategy over 2 worker processes (1 CPU replica each)
+COLUMNS = harness.STRATEGY_IDS + [MULTI_WORKER]
+# Features the multi-worker test runs (one pair of processes runs them one after another).
+MULTI_WORKER_FEATURES = ["loss_sum", "sample_weight", "masked_pooling", "partial_last_batch",
+                         "metrics_confusion", "batchnorm_synchronized", "batchnorm"]
+
+DP = ("dp2", "dp4")
+PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
+
+PER_REPLICA_BN = ("documented:BatchNorm normalizes each replica's part of the batch with that "
+                  "part's statistics; the moving statistics take the mean over replicas of "
+                  "those statistics (the same on every replica, and saved); synchronized=True "
+                  "gives one device's numbers")
+PER_MICRO_BN = ("documented:BatchNorm statistics per micro-batch, one moving-statistics update "
+                "per micro-batch (README)")
+PER_MICRO_BN_REPLICAS = ("documented:BatchNorm statistics per micro-batch; each micro-batch "
+                         "index updates the moving statistics with the mean over pipeline "
+                         "replicas (as DataParallelStrategy does)")
+PER_MICRO_SYNC_BN = ("documented:synchronized BatchNorm: statistics per micro-batch index, "
+                     "over that micro-batch of every pipeline replica; one update per "
+                     "micro-batch")
+REPLICA_DROPOUT = ("documented:Dropout masks drawn per replica from one seed: every replica "
+                   "repeats replica 0's mask on its part of the batch")
+MICRO_DROPOUT = ("documented:Dropout masks drawn per micro-batch, a new seed for each "
+                 "micro-batch in turn")
+MICRO_REPLICA_DROPOUT = ("documented:Dropout masks drawn per micro-batch (a new seed each), "
+                         "every pipeline replica repeating replica 0's masks")
+
+
+def _expected():
+    cells = {(f, s): EQUAL for f in harness.FEATURE_NAMES for s in harness.STRATEGY_IDS}
+    for s in PIPELINES:
+        cells["masked_rnn_per_timestep", s] = "error:ValueError:its outputs are masked"
+        cells["uneven_global_batch", s] = "error:BatchSizeError:examples does not split evenly"
+        cells["subclassed_model", s] = "error:PlacementError:is a subclassed model"
+        cells["custom_train_step", s] = "error:ValueError:overrides train_step"
+        cells["dropout_seeded", s] = MICRO_DROPOUT
+    for s in harness.STRATEGY_IDS:
+        cells["jit_compile", s] = "error:ValueError:with jit_compile=True"
+    cells["dropout_seeded", "pipe_r2k2"] = MICRO_REPLICA_DROPOUT
+    for s in ("gpipe", "1f1b"):
+        cells["batchnorm", s] = PER_MICRO_BN
+        cells["batchnorm_synchronized", s] = PER_MICRO_BN
+    cells["batchnorm", "pipe_r2k2"] = PER_MICRO_BN_REPLICAS
+    cells["batchnorm_synchronized", "pipe_r2k2"] = PER_MICRO_SYNC_BN
+    for s in DP:
+        cells["batchnorm", s] = PER_REPLICA_BN
+        cells["dropout_seeded", s] = REPLICA_DROPOUT
+    for f in MULTI_WORKER_FEATURES:
+        cells[f, MULTI_WORKER] = EQUAL
+    cells["batchnorm", MULTI_WORKER] = PER_REPLICA_BN
+    return cells
+
+
+EXPECTED = _expected()
+
+ISSUE = "issue 11"
+# Cell -> "issue 11: <what is wrong, measured>". Empty at 48c2cdd: the gaps this suite found
+# on earlier revisions (DataParallelStrategy: add_loss / activity regularizer counted per
+# replica, uneven splits; PipelineStrategy with replicas: evaluate with mean_with_sample_weight,
+# BatchNorm moving statistics per replica; jit_compile and gradient accumulation crashes) are
+# fixed. A new one goes here, with the measured difference, until it is fixed.
+KNOWN_GAPS = {}
+
+
+def cell_status(feature, sid):
+    """(kind, detail): kind in equal / documented / error / known gap."""
+    target = EXPECTED.get((feature, sid))
+    if target is None:
+        return "not run", ""
+    if (feature, sid) in KNOWN_GAPS:
+        return "known gap", KNOWN_GAPS[feature, sid]
+    kind, _, detail = target.partition(":")
+    return kind, detail
+
+
+# --- The README table ------------------------------------------------------------------------
+
+TABLE_START = "<!-- conformance-table:start -->"
+TABLE_END = "<!-- conformance-table:end -->"
+HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
+           "1f1b": "1F1B K2 M4", "pipe_r2k2": "1F1B R2 K2 M2", MULTI_WORKER: "DP 2 workers"}
+
+
+def render_table():
+    """The Markdown conformance table (between its markers), from EXPECTED and KNOWN_GAPS."""
+    notes = []
+
+    def note(text):
+        if text not in notes:
+            notes.append(text)
+        return notes.index(text) + 1
+
+    lines = ["| feature | what | " + " | ".join(HEADERS[c] for c in COLUMNS) + " |",
+             "|---|---|" + "---|" * len(COLUMNS)]
+    for feature in harness.FEATURE_NAMES:
+        cells = []
+        for column in COLUMNS:
+            kind, detail = cell_status(feature, column)
+            if kind == "equal":
+                cells.append("equal")
+            elif kind == "not run":
+                cells.append("")
+            elif kind == "error":
+                exception, _, fragment = detail.partition(":")
+                text = f'{exception} before the first step: "...{fragment}..."'
+                cells.append(f"error [{note(text)}]")
+            else:
+                cells.append(f"{kind} [{note(detail)}]")
+        summary = harness.FEATURES[feature].summary.replace("|", "\\|")
+        lines.append(f"| `{feature}` | {summary} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"{i}. {text}" for i, text in enumerate(notes, 1)]
+    return "\n".join([TABLE_START, *lines, TABLE_END])

@@ -1,0 +1,602 @@
+"""Keras conformance harness: one Keras feature trained under a strategy and on one device.
+
+A `Feature` is a tiny model, its compile arguments, its data and its fit arguments. `run(sid,
+feature)` builds it under strategy `sid` (None: one device, no strategy) from the same seed,
+fits it on the same global batches, then evaluates and predicts; the `Result` holds everything
+as numpy. `reference(name)` is the one-device run, computed once per feature.
+
+Only tfpar's public API is used. The module imports no pytest, so the multi-worker worker
+process (tests/workers/conformance_worker.py) runs the same features.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import os
+import tempfile
+from typing import Any, Callable, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfpar
+
+EXAMPLES = 48
+BATCH = 16
+EPOCHS = 1  # each epoch costs a distributed iterator (~0.8 s on 4 replicas)
+SEED = 0
+ATOL = RTOL = 1e-5
+
+
+def cpus(n):
+    return [f"/cpu:{i}" for i in range(n)]
+
+
+# --- Strategies ------------------------------------------------------------------------------
+
+STRATEGIES = {
+    "dp2": lambda: tfpar.DataParallelStrategy(cpus(2)),
+    "dp4": lambda: tfpar.DataParallelStrategy(cpus(4)),
+    "mp": lambda: tfpar.ModelParallelStrategy(cpus(2)),
+    "gpipe": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="gpipe"),
+    "1f1b": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b"),
+    "pipe_r2k2": lambda: tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2,
+                                                schedule="1f1b"),
+}
+STRATEGY_IDS = list(STRATEGIES)
+# How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
+# ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
+REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2}
+MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1}
+
+
+def make_strategy(sid):
+    """A fresh strategy per run: no state carries over from one cell to the next."""
+    return None if sid is None else STRATEGIES[sid]()
+
+
+# --- Data ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Data:
+    x: Any
+    y: Any
+    sample_weight: Any = None
+    fit_sample_weight: Any = None  # when set, fit uses it instead of sample_weight
+
+
+def classification(n=EXAMPLES, seed=0, inputs=4, classes=3):
+    rng = np.random.default_rng(seed)
+    return Data(rng.normal(size=(n, inputs)).astype("float32"),
+                rng.integers(0, classes, n).astype("int32"))
+
+
+def weighted(n=EXAMPLES):
+    data = classification(n)
+    data.sample_weight = np.random.default_rng(1).uniform(0.2, 2.0, n).astype("float32")
+    return data
+
+
+def binary(n=EXAMPLES):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    y = ((x[:, 0] + 0.5 * rng.normal(size=n)) > 0).astype("float32")[:, None]
+    return Data(x, y)
+
+
+def two_heads(n=EXAMPLES):
+    data = classification(n)
+    rng = np.random.default_rng(4)
+    return Data(data.x, {"cls": data.y, "reg": rng.normal(size=(n, 1)).astype("float32")})
+
+
+def two_inputs(n=EXAMPLES):
+    rng = np.random.default_rng(5)
+    x = [rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")]
+    y = [rng.integers(0, 3, n).astype("int32"), rng.normal(size=(n, 2)).astype("float32")]
+    return Data(x, y)
+
+
+def sequences(n=EXAMPLES, steps=6, vocab=10):
+    """Token ids padded with zeros at the end (lengths 2..6), per-timestep labels."""
+    rng = np.random.default_rng(6)
+    lengths = rng.integers(2, steps + 1, n)
+    ids = rng.integers(1, vocab, size=(n, steps)).astype("int32")
+    ids[np.arange(steps)[None, :] >= lengths[:, None]] = 0
+    per_step = rng.integers(0, 3, size=(n, steps)).astype("int32")
+    return Data(ids, per_step)
+
+
+def sequence_classes(n=EXAMPLES):
+    data = sequences(n)
+    return Data(data.x, data.y[:, 0])
+
+
+# --- Models ----------------------------------------------------------------------------------
+
+def mlp(outputs=3, activation=None, first=None, second=None, inputs=4):
+    """Input -> Dense(8, tanh) -> Dense(8, relu) -> Dense(outputs): three layers, so a pipeline
+    of 2 stages can cut it. `first`/`second`: extra Dense keyword arguments."""
+    return keras.Sequential([
+        keras.Input((inputs,)),
+        keras.layers.Dense(8, activation="tanh", name="d1", **(first or {})),
+        keras.layers.Dense(8, activation="relu", name="d2", **(second or {})),
+        keras.layers.Dense(outputs, activation=activation, name="out"),
+    ])
+
+
+def scce(**kwargs):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+
+def adam(**kwargs):
+    return keras.optimizers.Adam(0.01, **kwargs)
+
+
+def basic_compile(**extra):
+    return lambda: dict(optimizer=adam(), loss=scce(), metrics=["accuracy"], **extra)
+
+
+@keras.saving.register_keras_serializable("tfpar_conformance")
+def per_example_loss(y_true, y_pred):
+    """A plain loss function returning one loss per example; compile reduces it."""
+    return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+@keras.saving.register_keras_serializable("tfpar_conformance")
+def penalized_loss(y_true, y_pred):
+    return per_example_loss(y_true, y_pred) + 0.1 * keras.ops.mean(keras.ops.square(y_pred), -1)
+
+
+@keras.saving.register_keras_serializable("tfpar_conformance")
+class ActivityPenalty(keras.layers.Layer):
+    """Identity that adds 0.05 x mean(x^2) of its input with `self.add_loss`."""
+
+    def call(self, inputs):
+        self.add_loss(0.05 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def with_add_loss():
+    return keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, activation="tanh", name="d1"),
+        ActivityPenalty(name="penalty"),
+        keras.layers.Dense(8, activation="relu", name="d2"), keras.layers.Dense(3, name="out")])
+
+
+def batchnorm_model(synchronized=False):
+    return keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, use_bias=False, name="d1"),
+        keras.layers.BatchNormalization(synchronized=synchronized, name="bn"),
+        keras.layers.Activation("relu", name="relu"), keras.layers.Dense(3, name="out")])
+
+
+def dropout_model():
+    return keras.Sequential([
+        keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="d1"),
+        keras.layers.Dropout(0.3, seed=7, name="drop"), keras.layers.Dense(3, name="out")])
+
+
+def two_head_model():
+    inputs = keras.Input((4,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    return keras.Model(inputs, {"cls": keras.layers.Dense(3, name="cls")(h),
+                                "reg": keras.layers.Dense(1, name="reg")(h)})
+
+
+def two_input_two_output_model():
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    h = keras.layers.Concatenate(name="join")([keras.layers.Dense(6, name="da")(a),
+                                               keras.layers.Dense(6, name="db")(b)])
+    h = keras.layers.Dense(8, activation="tanh", name="d1")(h)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    return keras.Model([a, b], [keras.layers.Dense(3, name="cls")(h),
+                                keras.layers.Dense(2, name="reg")(h)])
+
+
+def metric_heads_model():
+    inputs = keras.Input((4,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    return keras.Model(inputs, {"cls": keras.layers.Dense(3, activation="softmax", name="cls")(h),
+                                "reg": keras.layers.Dense(1, name="reg")(h)})
+
+
+def masked_rnn_model():
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True, name="emb"),
+        keras.layers.GRU(4, return_sequences=True, name="gru"),
+        keras.layers.Dense(3, name="out")])
+
+
+def masked_pooling_model():
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True, name="emb"),
+        keras.layers.GlobalAveragePooling1D(name="pool"),
+        keras.layers.Dense(8, activation="tanh", name="d1"), keras.layers.Dense(3, name="out")])
+
+
+@keras.saving.register_keras_serializable("tfpar_conformance")
+class CustomStepModel(keras.Model):
+    """A functional model with its own train_step written with `self.compute_loss`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss * tf.distribute.get_strategy().num_replicas_in_sync)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_step_model():
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    return CustomStepModel(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+@keras.saving.register_keras_serializable("tfpar_conformance")
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(8, activation="tanh", name="d1")
+        self.d2 = keras.layers.Dense(8, activation="relu", name="d2")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, inputs):
+        return self.out(self.d2(self.d1(inputs)))
+
+
+def subclassed_model():
+    model = Subclassed()
+    model.build((None, 4))
+    return model
+
+
+def frozen_model():
+    model = mlp()
+    model.get_layer("d1").trainable = False
+    return model
+
+
+def nested_model():
+    inner = keras.Sequential([keras.layers.Dense(8, activation="tanh", name="d1"),
+                              keras.layers.Dense(8, activation="relu", name="d2")], name="inner")
+    inputs = keras.Input((4,))
+    h = inner(inputs)
+    h = keras.layers.Dense(8, activation="tanh", name="d3")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="out")(h))
+
+
+# --- After-fit checks that need a file --------------------------------------------------------
+
+def saved_and_loaded(model, data, directory):
+    path = os.path.join(directory, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)  # called outside any strategy scope
+    return {"loaded_predict": loaded.predict(data.x, batch_size=BATCH, verbose=0)}
+
+
+def exported_and_served(model, data, directory):
+    path = os.path.join(directory, "exported")
+    model.export(path, verbose=False)
+    loaded = tf.saved_model.load(path)  # kept: its variables must outlive the call
+    served = loaded.serve(tf.constant(data.x))
+    return {"served": np.asarray(served)}
+
+
+# --- Features --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    build: Callable[[], Any]
+    compile: Callable[[], dict]
+    data: Callable[[], Data] = classification
+    fit_kwargs: dict = dataclasses.field(default_factory=dict)
+    batch_size: int = BATCH
+    epochs: int = EPOCHS
+    atol: float = ATOL
+    rtol: float = RTOL
+    policy: Optional[str] = None
+    # Compile arguments of a second compile (under the scope) followed by a second fit.
+    recompile: Optional[Callable[[], dict]] = None
+    # (model, data, directory) -> {name: array}: extra outputs compared with `predict`.
+    after: Optional[Callable] = None
+    summary: str = ""
+
+
+def _features():
+    f = [
+        Feature("loss_sum_over_batch_size", mlp, basic_compile(), epochs=2,
+                summary="SparseCategoricalCrossentropy, default reduction"),
+        Feature("loss_sum", mlp, lambda: dict(optimizer=adam(), loss=scce(reduction="sum")),
+                summary='reduction="sum"'),
+        Feature("loss_mean_with_sample_weight", mlp,
+                lambda: dict(optimizer=adam(), loss=scce(reduction="mean_with_sample_weight")),
+                data=weighted, summary='reduction="mean_with_sample_weight" with sample weights'),
+        Feature("loss_none_custom_fn", mlp,
+                lambda: dict(optimizer=adam(), loss=per_example_loss),
+                summary="plain function returning per-example losses, reduced by compile"),
+        Feature("sample_weight", mlp, basic_compile(), data=weighted,
+                summary="fit/evaluate with sample_weight"),
+        Feature("class_weight", mlp, basic_compile(),
+                fit_kwargs={"class_weight": {0: 1.0, 1: 2.0, 2: 0.5}}, summary="class_weight"),
+        Feature("multi_output_loss_weights", two_head_model,
+                lambda: dict(optimizer=adam(), loss={"cls": scce(), "reg": "mse"},
+                             loss_weights={"cls": 1.0, "reg": 0.5},
+                             metrics={"cls": ["accuracy"]}),
+                data=two_heads, summary="two outputs, two losses, loss_weights"),
+        Feature("masked_rnn_per_timestep", masked_rnn_model, basic_compile(), data=sequences,
+                summary="Embedding(mask_zero=True) -> GRU(return_sequences) -> per-step loss"),
+        Feature("masked_pooling", masked_pooling_model, basic_compile(), data=sequence_classes,
+                summary="Embedding(mask_zero=True) -> GlobalAveragePooling1D"),
+        Feature("uneven_global_batch", mlp, basic_compile(),
+                data=lambda: classification(36), batch_size=18,
+                summary="global batch 18 (not a multiple of 4 replicas or micro-batches)"),
+        Feature("partial_last_batch", mlp, basic_compile(), data=lambda: classification(42),
+                summary="42 examples in batches of 16: the last batch has 10"),
+        Feature("metrics_confusion", lambda: mlp(1, "sigmoid"),
+                lambda: dict(optimizer=adam(), loss="binary_crossentropy",
+                             metrics=[keras.metrics.Precision(name="precision"),
+                                      keras.metrics.Recall(name="recall"),
+                                      keras.metrics.AUC(name="auc"),
+                                      keras.metrics.F1Score(threshold=0.5, name="f1")]),
+                data=binary, epochs=2, summary="Precision, Recall, AUC, F1Score"),
+        Feature("metrics_iou_r2", metric_heads_model,
+                lambda: dict(optimizer=adam(),
+                             loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+                             metrics={"cls": [keras.metrics.MeanIoU(
+                                          3, sparse_y_pred=False, name="iou")],
+                                      "reg": [keras.metrics.R2Score(name="r2")]}),
+                data=two_heads, epochs=2, summary="MeanIoU, R2Score"),
+        Feature("batchnorm", batchnorm_model, basic_compile(),
+                summary="BatchNormalization (weights and moving statistics)"),
+        Feature("batchnorm_synchronized", lambda: batchnorm_model(True), basic_compile(),
+                summary="BatchNormalization(synchronized=True)"),
+        Feature("dropout_seeded", dropout_model, basic_compile(), summary="Dropout(0.3, seed=7)"),
+        Feature("kernel_regularizer", lambda: mlp(first={"kernel_regularizer": "l2"}),
+                basic_compile(), summary="kernel_regularizer (fit and evaluate loss)"),
+        Feature("activity_regularizer", lambda: mlp(second={"activity_regularizer": "l2"}),
+                basic_compile(), summary="activity_regularizer (fit and evaluate loss)"),
+        Feature("add_loss", with_add_loss, basic_compile(),
+                summary="a layer calling self.add_loss (fit and evaluate loss)"),
+        Feature("recompile", mlp, basic_compile(), epochs=1,
+                recompile=lambda: dict(
+                    optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=penalized_loss,
+                    metrics=[keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")]),
+                summary="fit, compile again (optimizer, learning rate, loss, metrics), fit"),
+        Feature("steps_per_execution", mlp, basic_compile(steps_per_execution=2),
+                summary="steps_per_execution=2"),
+        Feature("gradient_accumulation", mlp,
+                lambda: dict(optimizer=adam(gradient_accumulation_steps=2), loss=scce()),
+                summary="optimizer gradient_accumulation_steps=2"),
+        Feature("jit_compile", mlp, basic_compile(jit_compile=True), summary="jit_compile=True"),
+        Feature("mixed_bfloat16", mlp, basic_compile(),
+                policy="mixed_bfloat16", atol=1e-2, rtol=1e-2,
+                summary='set_global_policy("mixed_bfloat16"), tolerance 1e-2'),
+        Feature("mixed_float16", mlp,
+                lambda: dict(optimizer=keras.optimizers.LossScaleOptimizer(adam()), loss=scce()),
+                policy="mixed_float16", atol=1e-2, rtol=1e-2,
+                summary='set_global_policy("mixed_float16") + LossScaleOptimizer, tolerance 1e-2'),
+        Feature("custom_train_step", custom_step_model,
+                lambda: dict(optimizer=adam(), loss=scce()),
+                summary="Model subclass overriding train_step with self.compute_loss"),
+        Feature("subclassed_model", subclassed_model, basic_compile(),
+                summary="subclassed keras.Model"),
+        Feature("multi_input_output", two_input_two_output_model,
+                lambda: dict(optimizer=adam(), loss=[scce(), "mse"],
+                             metrics=[["accuracy"], ["mae"]]),
+                data=two_inputs, summary="functional model, 2 inputs and 2 outputs (lists)"),
+        Feature("frozen_layer", frozen_model, basic_compile(),
+                summary="layer.trainable=False before compile"),
+        Feature("nested_model", nested_model, basic_compile(),
+                summary="a Sequential inside a functional model"),
+        Feature("save_keras_load", mlp, basic_compile(), after=saved_and_loaded,
+                summary="model.save(.keras), load_model outside the strategy predicts the same"),
+        Feature("export_savedmodel", mlp, basic_compile(), after=exported_and_served,
+                summary="model.export (SavedModel), tf.saved_model.load(...).serve"),
+    ]
+    return {feature.name: feature for feature in f}
+
+
+FEATURES = _features()
+FEATURE_NAMES = list(FEATURES)
+
+
+# --- Running a cell --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Result:
+    weights: list
+    history: dict
+    evaluate: dict
+    predict: Any
+    extras: dict
+    names: list  # variable paths, in the order of `weights`
+
+
+def _numpy(tree):
+    return tf.nest.map_structure(lambda t: np.asarray(t), tree)
+
+
+@contextlib.contextmanager
+def _policy(name):
+    if name is None:
+        yield
+        return
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _fit(model, feature, data, **extra):
+    weights = data.sample_weight if data.fit_sample_weight is None else data.fit_sample_weight
+    return model.fit(data.x, data.y, sample_weight=weights,
+                     batch_size=feature.batch_size, epochs=feature.epochs, shuffle=False,
+                     verbose=0, **{**feature.fit_kwargs, **extra}).history
+
+
+def run(sid, feature, strategy=None):
+    """Trains `feature` under strategy `sid` (None: one device) and returns a `Result`.
+
+    An exception from the first fit gets two attributes: `iterations_run` (the optimizer's
+    step counter) and `weights_unchanged` (the model still has its initial weights), to tell
+    an error raised before the first step from one raised later.
+    """
+    if isinstance(feature, str):
+        feature = FEATURES[feature]
+    strategy = strategy if strategy is not None else make_strategy(sid)
+    data = feature.data()
+
+    def scope():
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    with _policy(feature.policy):
+        with scope():
+            keras.utils.set_random_seed(SEED)
+            model = feature.build()
+            model.compile(**feature.compile())
+        initial = [np.array(w) for w in model.get_weights()]
+        try:
+            history = _fit(model, feature, data)
+        except Exception as error:  # noqa: BLE001 - annotated and re-raised
+            error.iterations_run = int(model.optimizer.iterations.numpy()) \
+                if model.optimizer.built else 0
+            error.weights_unchanged = all(
+                np.array_equal(a, b) for a, b in zip(initial, model.get_weights()))
+            raise
+        if feature.recompile is not None:
+            with scope():
+                model.compile(**feature.recompile())
+            second = _fit(model, feature, data)
+            history = {key: history.get(key, []) + second.get(key, [])
+                       for key in {**history, **second}}
+        evaluate = model.evaluate(data.x, data.y, sample_weight=data.sample_weight,
+                                  batch_size=feature.batch_size, verbose=0, return_dict=True)
+        predict = model.predict(data.x, batch_size=feature.batch_size, verbose=0)
+        extras = {}
+        if feature.after is not None:
+            with tempfile.TemporaryDirectory() as directory:
+                extras = feature.after(model, data, directory)
+        return Result(weights=[np.array(w) for w in model.get_weights()],
+                      history={k: [np.asarray(e) for e in v] for k, v in history.items()},
+                      evaluate={k: np.asarray(v) for k, v in evaluate.items()},
+                      predict=_numpy(predict), extras=_numpy(extras),
+                      names=[w.path for w in model.weights])
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name):
+    """The one-device run of feature `name` (computed once)."""
+    return run(None, FEATURES[name])
+
+
+# --- Comparing -------------------------------------------------------------------------------
+
+def _max_difference(got, want):
+    got, want = np.asarray(got, dtype="float64"), np.asarray(want, dtype="float64")
+    if got.shape != want.shape:
+        return float("inf")
+    return float(np.max(np.abs(got - want))) if got.size else 0.0
+
+
+def differences(got, want):
+    """{component: max absolute difference}: weights, each history key, each evaluate key,
+    predict and the extras (inf when shapes or keys do not match)."""
+    out = {}
+    if len(got.weights) != len(want.weights):
+        out["weights"] = float("inf")
+    else:
+        for name, g, w in zip(want.names, got.weights, want.weights):
+            out[f"weight:{name}"] = _max_difference(g, w)
+    for part in ("history", "evaluate"):
+        mine, theirs = getattr(got, part), getattr(want, part)
+        for key in set(mine) | set(theirs):
+            out[f"{part}:{key}"] = (_max_difference(mine[key], theirs[key])
+                                    if key in mine and key in theirs else float("inf"))
+    out["predict"] = max(_tree_differences(got.predict, want.predict))
+    for key in set(got.extras) | set(want.extras):
+        out[f"extra:{key}"] = (max(_tree_differences(got.extras[key], want.extras[key]))
+                               if key in got.extras and key in want.extras else float("inf"))
+    return out
+
+
+def _tree_differences(got, want):
+    try:
+        tf.nest.assert_same_structure(got, want)
+    except (ValueError, TypeError):
+        return [float("inf")]
+    return [_max_difference(g, w) for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want))]
+
+
+PARTS = ("weights", "history", "evaluate", "predict", "extras")
+
+
+def failures(got, want, atol=ATOL, rtol=RTOL, parts=PARTS):
+    """Components (of `parts`) that differ by more than atol + rtol x |reference|, with their
+    largest difference (or what is wrong: missing, shape, structure, not finite)."""
+    bad = {}
+    pairs = []
+    if "weights" in parts:
+        pairs += [(f"weight:{n}", g, w) for n, g, w in zip(want.names, got.weights, want.weights)]
+    for part in ("history", "evaluate"):
+        if part in parts:
+            mine, theirs = getattr(got, part), getattr(want, part)
+            pairs += [(f"{part}:{k}", mine.get(k), theirs.get(k))
+                      for k in set(mine) | set(theirs)]
+    if "predict" in parts:
+        pairs += [("predict", got.predict, want.predict)]
+    if "extras" in parts:
+        pairs += [(f"extra:{k}", got.extras.get(k), want.extras.get(k))
+                  for k in set(got.extras) | set(want.extras)]
+    if "weights" in parts and len(got.weights) != len(want.weights):
+        bad["weights"] = f"{len(got.weights)} arrays, want {len(want.weights)}"
+    for name, g, w in pairs:
+        if g is None or w is None:
+            bad[name] = "missing"
+            continue
+        try:
+            tf.nest.assert_same_structure(g, w)
+        except (ValueError, TypeError):
+            bad[name] = "structure differs"
+            continue
+        for a, b in zip(tf.nest.flatten(g), tf.nest.flatten(w)):
+            a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+            if a.shape != b.shape:
+                bad[name] = f"shape {a.shape} != {b.shape}"
+            elif not np.all(np.isfinite(a)):
+                bad[name] = "not finite"
+            elif not np.allclose(a, b, atol=atol, rtol=rtol):
+                bad[name] = float(np.max(np.abs(a - b)))
+    return bad
+
+
+def evaluate_on_one_device(feature, weights):
+    """`evaluate` and `predict` of `weights` in the feature's model on one device: tells a
+    strategy's wrong evaluate/predict apart from wrong training."""
+    if isinstance(feature, str):
+        feature = FEATURES[feature]
+    data = feature.data()
+    with _policy(feature.policy):
+        keras.utils.set_random_seed(SEED)
+        model = feature.build()
+        model.compile(**(feature.recompile or feature.compile)())
+        model.set_weights(weights)
+        evaluate = model.evaluate(data.x, data.y, sample_weight=data.sample_weight,
+                                  batch_size=feature.batch_size, verbose=0, return_dict=True)
+        predict = model.predict(data.x, batch_size=feature.batch_size, verbose=0)
+    return {k: np.asarray(v) for k, v in evaluate.items()}, _numpy(predict)

@@ -1,0 +1,74 @@
+"""Keras conformance: every (feature x strategy) cell of expected.EXPECTED.
+
+"equal" cells compare the strategy's run with one device's on the same global batches and seed
+(weights after fit, epoch logs, evaluate, predict, and any saved/exported model's outputs);
+"documented" cells compare it with a one-device emulation of the semantics they document;
+"error" cells expect fit to raise before the first step. Cells in expected.KNOWN_GAPS are
+strict xfails: they fail today for the reason recorded there.
+"""
+
+import numpy as np
+import pytest
+
+import expected
+import harness
+import semantics
+
+
+def _cells():
+    for (feature, sid), target in expected.EXPECTED.items():
+        if sid == expected.MULTI_WORKER:
+            continue
+        marks = []
+        if (feature, sid) in expected.KNOWN_GAPS:
+            marks.append(pytest.mark.xfail(strict=True, reason=expected.KNOWN_GAPS[feature, sid]))
+        yield pytest.param(feature, sid, target, marks=marks, id=f"{feature}-{sid}")
+
+
+def _describe(bad):
+    return "; ".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}"
+                     for k, v in sorted(bad.items()))
+
+
+@pytest.mark.parametrize("feature, sid, target", list(_cells()))
+def test_cell(feature, sid, target):
+    spec = harness.FEATURES[feature]
+    kind, _, detail = target.partition(":")
+    if kind == "error":
+        exception, _, fragment = detail.partition(":")
+        with pytest.raises(Exception) as raised:
+            harness.run(sid, spec)
+        names = [c.__name__ for c in type(raised.value).__mro__]
+        assert exception in names, f"{names[0]}: {raised.value}"
+        assert fragment in str(raised.value)
+        # (Set by harness.run when fit raised; an error from compile came before any step.)
+        assert getattr(raised.value, "iterations_run", 0) == 0, "raised after a training step"
+        assert getattr(raised.value, "weights_unchanged", True), "the weights changed first"
+        return
+    got = harness.run(sid, spec)
+    if kind == "equal":
+        want, parts = harness.reference(feature), harness.PARTS
+    else:
+        assert kind == "documented", target
+        want, parts = semantics.emulated(feature, sid)
+    bad = harness.failures(got, want, spec.atol, spec.rtol, parts)
+    assert not bad, f"{sid} differs from {'one device' if kind == 'equal' else 'the emulation'}: " \
+                    f"{_describe(bad)}"
+    # A model saved or exported under the strategy gives what the strategy predicted.
+    for name, values in got.extras.items():
+        np.testing.assert_allclose(values, got.predict, atol=spec.atol, rtol=spec.rtol,
+                                   err_msg=name)
+
+
+def test_every_cell_has_a_target_and_every_gap_a_cell():
+    for feature in harness.FEATURE_NAMES:
+        for sid in harness.STRATEGY_IDS:
+            target = expected.EXPECTED[feature, sid]
+            kind = target.split(":")[0]
+            assert kind in ("equal", "documented", "error"), (feature, sid, target)
+            if kind == "documented":
+                assert feature in semantics.EMULATIONS, (feature, sid)
+            if kind == "error":
+                assert len(target.split(":", 2)) == 3 and target.split(":", 2)[2], target
+    assert set(expected.KNOWN_GAPS) <= set(expected.EXPECTED)
+    assert all(r.startswith(expected.ISSUE) for r in expected.KNOWN_GAPS.values())
