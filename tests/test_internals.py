@@ -119,3 +119,40 @@ def test_a_changed_compiled_loss_fails_closed():
     model._compile_loss._flat_losses = [object()]
     with pytest.raises(InternalsError, match="_flat_losses"):
         loss_kind(model, weighted=False)
+
+
+def test_a_renamed_seed_generator_list_fails_closed():
+    """remat replays the layers' random states: without them Dropout masks would silently
+    differ between the forward and its recomputation."""
+    from tfpar.distribute.pipeline.stages import build_program
+
+    class RenamedSeeds(keras.layers.Dropout):  # A Keras whose layers keep seeds elsewhere.
+        @property
+        def _seed_generators(self):
+            raise AttributeError("_seed_generators")
+
+        @_seed_generators.setter
+        def _seed_generators(self, value):
+            pass
+
+        @property
+        def variables(self):
+            return []
+
+    def model(dropout):
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), dropout,
+                                 keras.layers.Dense(2)])
+
+    program = build_program(model(keras.layers.Dropout(0.5, seed=1)), 2)
+    assert program.stages[0].seed_variables  # The real layers have it.
+    with pytest.raises(InternalsError, match="_seed_generators"):
+        build_program(model(RenamedSeeds(0.5, seed=1)), 2)
+
+
+def test_a_callback_without_its_model_fails_closed():
+    """Non-chief workers skip checkpoint writes by asking the callback's model for its
+    strategy; if Keras stopped setting it, every worker would write again."""
+    from tfpar.keras.hooks import _is_non_chief_worker
+
+    with pytest.raises(InternalsError, match="Callback.model"):
+        _is_non_chief_worker(keras.callbacks.Callback())

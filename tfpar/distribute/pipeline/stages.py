@@ -74,26 +74,26 @@ class StageProgram:
 
         Returns the tensor passed to the next stage, or the model's outputs.
         """
-        import keras
-
         operation_fn = internals.symbol("keras.src.models.functional.operation_fn")
         unpack_singleton = internals.symbol("keras.src.models.functional.unpack_singleton")
+        # Keras' own graph runner, on the stage's part of the graph (as Functional.call
+        # runs the whole graph).
+        outputs = internals.attr(self._function(index), "_run_through_graph")(
+            inputs, operation_fn=lambda op: operation_fn(op, training=training))
+        return outputs if self.stages[index].output_tensor is not None else (
+            unpack_singleton(outputs))
 
-        stage, graph = self.stages[index], self.graph
-        if index == 0:
-            values = {id(t): x for t, x in zip(graph.inputs, inputs)}
-        else:
-            values = {id(stage.input_tensor): inputs}
-        for node in stage.nodes:
-            args, kwargs = node.arguments.fill_in(values)
-            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
-            for tensor, value in zip(node.outputs, keras.tree.flatten(outputs)):
-                values[id(tensor)] = value
-        if stage.output_tensor is not None:
-            return values[id(stage.output_tensor)]
-        outputs = [values[id(t)] for t in graph.outputs]
-        return unpack_singleton(keras.tree.pack_sequence_as(
-            internals.attr(graph, "_outputs_struct"), outputs))
+    def _function(self, index):
+        """A Keras `Function` from the stage's input(s) to its output(s), made once."""
+        functions = self.__dict__.setdefault("_functions", {})
+        if index not in functions:
+            stage, graph = self.stages[index], self.graph
+            inputs = list(graph.inputs) if index == 0 else [stage.input_tensor]
+            outputs = (stage.output_tensor if stage.output_tensor is not None
+                       else internals.attr(graph, "_outputs_struct"))
+            functions[index] = internals.symbol("keras.src.ops.function.Function")(
+                inputs, outputs, name=f"{graph.name}_stage_{index}")
+        return functions[index]
 
     def call_losses(self, index):
         """Losses the stage's layers added while they last ran (`add_loss`, activity
