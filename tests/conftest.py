@@ -33,6 +33,38 @@ def small_model(seed=0, inputs=4, classes=3):
     ])
 
 
+def call_loss_model(width=8):
+    """Dense with an activity regularizer, then a layer adding a loss in call, then a head:
+    both kinds of losses added in `call`, each a per-batch mean."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(width, activation="tanh",
+                           activity_regularizer=keras.regularizers.L2(0.1)),
+        mean_square_loss_layer()(), keras.layers.Dense(width), keras.layers.Dense(3)])
+
+
+_layers = {}
+
+
+def mean_square_loss_layer():
+    """A layer class that adds half the batch mean of x**2 as a loss (made once, after the
+    logical CPUs are set up)."""
+    import keras
+
+    if "mean_square" not in _layers:
+        @keras.saving.register_keras_serializable("tfpar_tests")
+        class MeanSquareLoss(keras.layers.Layer):
+            def call(self, x):
+                self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
+                return x
+
+        _layers["mean_square"] = MeanSquareLoss
+    return _layers["mean_square"]
+
+
 def toy_data(n=64, inputs=4, classes=3, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(n, inputs)).astype("float32"),

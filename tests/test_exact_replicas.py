@@ -10,7 +10,7 @@ import tensorflow as tf
 import tfpar
 from tfpar.distribute.input_checks import check_first_batch
 
-from conftest import cpus
+from conftest import call_loss_model, cpus
 
 EXAMPLES = 40
 
@@ -136,21 +136,6 @@ def test_jit_compile_is_refused_before_the_first_step(make):
     assert model.jit_compile  # Not switched off behind the user's back.
 
 
-@keras.saving.register_keras_serializable("tfpar_tests")
-class HalfMeanSquare(keras.layers.Layer):
-    def call(self, x):
-        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
-        return x
-
-
-def _with_call_losses():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((4,)),
-        keras.layers.Dense(8, activation="tanh", activity_regularizer=keras.regularizers.L2(0.1)),
-        HalfMeanSquare(), keras.layers.Dense(3)])
-
-
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_each_replica_trains_on_its_own_call_losses(replicas):
     """A layer's call losses are one list shared by the replicas: after a sync point
@@ -159,7 +144,7 @@ def test_each_replica_trains_on_its_own_call_losses(replicas):
 
     def run(strategy):
         with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
-            model = _with_call_losses()
+            model = call_loss_model()
             model.compile(keras.optimizers.SGD(0.1),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         history = model.fit(x[:32], y[:32], batch_size=16, epochs=2, shuffle=False, verbose=0)

@@ -9,7 +9,7 @@ import tfpar
 from tfpar.distribute import mirrored_placement
 from tfpar.distribute.placement import canonical_device
 
-from conftest import cpus
+from conftest import call_loss_model, cpus
 
 
 def test_frozen_layers_count_when_cutting_stages():
@@ -62,21 +62,8 @@ def test_a_model_overriding_train_step_is_refused_with_the_fix():
     assert model.predict(x, verbose=0).shape == (8, 3)  # Inference is not affected.
 
 
-@keras.saving.register_keras_serializable("tfpar_tests")
-class MeanSquareLoss(keras.layers.Layer):
-    """Adds the batch mean of x**2 as a loss, like an activity regularizer."""
-
-    def call(self, x):
-        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(x)))
-        return x
-
-
 def _aux_loss_model():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((4,)),
-        keras.layers.Dense(6, activity_regularizer=keras.regularizers.L2(0.1)),
-        MeanSquareLoss(), keras.layers.Dense(6), keras.layers.Dense(3)])
+    return call_loss_model(width=6)
 
 
 def test_losses_added_in_call_count_once_in_evaluate_and_custom_loops():
