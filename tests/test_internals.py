@@ -110,7 +110,7 @@ def test_a_missing_private_fails_closed_naming_the_versions(monkeypatch):
 def test_a_changed_compiled_loss_fails_closed():
     """If `_compile_loss._flat_losses` changed shape, the pipeline would scale sum losses
     by 1/M: it must refuse instead."""
-    from tfpar.distribute.pipeline.execution import SUM, loss_kind
+    from tfpar.keras.losses import SUM, loss_kind
 
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", keras.losses.MeanSquaredError(reduction="sum"))
@@ -124,7 +124,7 @@ def test_a_changed_compiled_loss_fails_closed():
 def test_a_renamed_seed_generator_list_fails_closed():
     """remat replays the layers' random states: without them Dropout masks would silently
     differ between the forward and its recomputation."""
-    from tfpar.distribute.pipeline.stages import build_program
+    from tfpar.keras.stages import build_program
 
     class RenamedSeeds(keras.layers.Dropout):  # A Keras whose layers keep seeds elsewhere.
         @property

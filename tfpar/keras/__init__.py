@@ -2,6 +2,11 @@
 
 - `hooks.py`: the few Keras methods tfpar wraps (model call, train step, file-writing
   callbacks), each once, each asking the model's strategy what to do;
+- `replicas.py`: Keras' loss normalization, BatchNorm statistics, gradient accumulation
+  and call losses made exact under replicas; refusals before a step is built;
+- `steps.py`: pieces of Keras' train step that tfpar's own steps share;
+- `stages.py`: a functional or Sequential model cut into pipeline stages, each run by
+  Keras' own graph runner;
 - `parameter_server.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
 - `internals.py`: every Keras and TensorFlow private that tfpar touches, read through
   accessors that fail closed with the pinned versions named.

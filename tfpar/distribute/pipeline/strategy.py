@@ -3,7 +3,7 @@
 How it works:
 
 - *Stages.* When a model created under the scope first runs, it is cut into K
-  contiguous stages (`pipeline_stages`): at `tfpar.layers.StageBoundary` markers,
+  contiguous stages (`tfpar.keras.stages`): at `tfpar.layers.StageBoundary` markers,
   or into groups of about equal parameter count. Each stage's variables move to
   its device, with the optimizer state already built for them; later optimizer
   state is created next to its variable, and updates run there.
@@ -49,7 +49,7 @@ from tfpar.keras.replicas import own_loss_normalization, xla_refusal
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
 from tfpar.distribute.pipeline import execution as pipeline_exec
-from tfpar.distribute.pipeline import stages as pipeline_stages
+from tfpar.keras import stages as pipeline_stages
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_model, claim_model
 from tfpar.distribute.placement import canonical_device
