@@ -21,14 +21,6 @@ MULTI_WORKER_FEATURES = ["loss_sum", "sample_weight", "masked_pooling", "partial
                          "metrics_confusion", "batchnorm_synchronized", "batchnorm"]
 
 DP = ("dp2", "dp4")
-# DataParallelStrategy on 4 replicas runs the features whose arithmetic depends on how many
-# replicas share the batch (normalization, uneven parts, statistics, per-replica state); the
-# rest behave on 4 as on 2 and would only add minutes of tracing to the suite.
-DP4_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "loss_mean_with_sample_weight",
-                "sample_weight", "class_weight", "masked_rnn_per_timestep", "masked_pooling",
-                "uneven_global_batch", "partial_last_batch", "metrics_confusion",
-                "metrics_iou_r2", "batchnorm", "batchnorm_synchronized", "dropout_seeded",
-                "activity_regularizer", "add_loss", "gradient_accumulation", "jit_compile"]
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
 PER_REPLICA_BN = ("documented:BatchNorm normalizes each replica's part of the batch with that "
@@ -70,9 +62,6 @@ def _expected():
     for s in DP:
         cells["batchnorm", s] = PER_REPLICA_BN
         cells["dropout_seeded", s] = REPLICA_DROPOUT
-    for f in harness.FEATURE_NAMES:
-        if f not in DP4_FEATURES:
-            del cells[f, "dp4"]
     for f in MULTI_WORKER_FEATURES:
         cells[f, MULTI_WORKER] = EQUAL
     cells["batchnorm", MULTI_WORKER] = PER_REPLICA_BN
