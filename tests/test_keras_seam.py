@@ -31,3 +31,23 @@ def test_install_wraps_once():
     wrapped = keras_seam._chief_only(lambda self: calls.append(1) or "saved")
     assert wrapped(_callback(True, chief=False)) is None and calls == []
     assert wrapped(_callback(True, chief=True)) == "saved" and calls == [1]
+
+
+def test_the_train_step_hook_is_not_mistaken_for_a_users_override():
+    """Once a PipelineStrategy exists, keras.Model.train_step is tfpar's wrapper: the
+    parameter-server loops then took every model for one that overrides train_step (and
+    lost sharded-variable training)."""
+    from tfpar.keras import parameter_server, steps
+
+    keras_seam.install_train_step_hook()
+    assert keras.Model.train_step._tfpar_train_step_hook
+
+    class Own(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert steps.is_keras_train_step(keras.Model.train_step)
+    assert not parameter_server._overrides_train_step(plain)
+    inputs = keras.Input((2,))
+    assert parameter_server._overrides_train_step(Own(inputs, keras.layers.Dense(1)(inputs)))

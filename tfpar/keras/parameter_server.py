@@ -171,8 +171,12 @@ def _train_step(model, data):
 
 
 def _overrides_train_step(model):
-    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
-    return type(model).train_step is not trainer.train_step
+    """Whether the model's class has its own train_step (not Keras', nor tfpar's hook).
+
+    tfpar's train-step hook (installed by PipelineStrategy) replaces `keras.Model.train_step`
+    with a wrapper of Keras' own; that wrapper is not the user's.
+    """
+    return not steps.is_keras_train_step(type(model).train_step)
 
 
 # -- data ---------------------------------------------------------------------

@@ -22,6 +22,15 @@ def track_loss(model, loss, x):
     internals.attr(model, "_loss_tracker").update_state(unscale(loss), sample_weight=batch_size(x))
 
 
+def is_keras_train_step(method):
+    """Whether `method` is Keras' own train step, or tfpar's hook around it (which
+    `tfpar.keras.hooks.install_train_step_hook` puts on `keras.Model`)."""
+    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    while getattr(method, "_tfpar_train_step_hook", False):
+        method = method.__wrapped__  # Set by functools.wraps in hooks._wrap_once.
+    return method is trainer.train_step
+
+
 def call_model(model, x, training):
     """`model(x)`, passing `training` when the model's call takes it."""
     if internals.attr(model, "_call_has_training_arg"):

@@ -251,11 +251,9 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
 
     def _tfpar_step_refusal(self, model, step_function):
         # Asked by the Keras seam before Keras builds a train/test/predict step.
-        import keras
-
         if getattr(step_function, "__name__", "") != "train_step":
             return None
-        if type(model).train_step is keras.Model.train_step:
+        if steps.is_keras_train_step(type(model).train_step):
             return None  # Keras' step, which the seam hands to this strategy.
         return (f"PipelineStrategy builds the training step of {model.name!r} itself (micro-"
                 f"batches in schedule order), but {type(model).__name__} overrides train_step, "
