@@ -112,6 +112,19 @@ def run_async(strategy, result):
 
     small.fit(dataset_fn, steps_per_epoch=10, epochs=2, verbose=0)
     result["steps_per_execution_iterations"] = int(small.optimizer.iterations.numpy())
+
+    # Re-compiling replaces the optimizer, loss and metrics: a learning rate of 0 must
+    # leave the weights alone, and the new metric must be the one reported.
+    with strategy.scope():
+        small.compile(keras.optimizers.SGD(0.0),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy(name="recompiled")])
+    before = small.get_weights()
+    history = small.fit(dataset_fn, steps_per_epoch=4, epochs=1, verbose=0)
+    result["recompile_weight_change"] = float(max(
+        np.abs(a - b).max() for a, b in zip(small.get_weights(), before)))
+    result["recompile_logs"] = sorted(history.history)
+    result["recompile_iterations"] = int(small.optimizer.iterations.numpy())
     try:
         small.fit(train.repeat(), epochs=1, verbose=0)
     except ValueError as error:

@@ -70,6 +70,7 @@ ATTRIBUTES = {
     "_call_has_training_arg": "keras.layers.Layer",
     "_call_has_mask_arg": "keras.layers.Layer",
     "_compile_loss": "keras.Model (compiled)",
+    "_compile_metrics": "keras.Model (compiled)",
     "_compute_loss": "keras.Model",
     "_flat_losses": "the compiled loss of a keras.Model",
     "_flatten_layers": "keras.layers.Layer",

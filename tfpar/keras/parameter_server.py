@@ -242,8 +242,20 @@ def _callback_list(model, callbacks, verbose, **params):
                                          verbose=verbose, model=model, **params)
 
 
+def _compiled_state(model):
+    """What a traced step captures from `compile` and trainability: a new compile (optimizer,
+    loss, metrics) or a changed set of trainable weights needs new steps."""
+    return (model.optimizer, internals.attr(model, "_compile_loss"),
+            internals.attr(model, "_compile_metrics"), *model.trainable_weights)
+
+
 def _cached(model, key, make):
-    cache = model.__dict__.setdefault("_tfpar_ps_steps", {})
+    """Steps traced for `model`, made again after `compile` or a change of trainability."""
+    state = _compiled_state(model)
+    cache = model.__dict__.get("_tfpar_ps_steps")
+    known = cache.get("compiled state") if cache else None
+    if known is None or len(known) != len(state) or any(a is not b for a, b in zip(known, state)):
+        cache = model.__dict__["_tfpar_ps_steps"] = {"compiled state": state}
     if key not in cache:
         cache[key] = make()
     return cache[key]
