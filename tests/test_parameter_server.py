@@ -86,6 +86,16 @@ def test_a_new_compile_trains_with_the_new_optimizer_loss_and_metrics(async_run)
 
 
 @pytest.mark.slow
+def test_on_batch_calls_and_arguments_that_would_be_dropped_fail_clearly(async_run):
+    result, _ = async_run
+    assert "train_on_batch runs one step on the chief" in result["train_on_batch"]
+    assert "model.fit(x, y, batch_size=len(x), epochs=1)" in result["train_on_batch"]
+    assert "test_on_batch runs one step on the chief" in result["test_on_batch"]
+    assert "predict_on_batch runs one step on the chief" in result["predict_on_batch"]
+    assert "y cannot be passed with a dataset function" in result["dataset_fn_with_y"]
+
+
+@pytest.mark.slow
 def test_infinite_dataset_needs_steps_per_epoch(async_run):
     assert "steps_per_epoch is required" in async_run[0]["infinite_error"]
 

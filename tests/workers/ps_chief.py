@@ -125,6 +125,19 @@ def run_async(strategy, result):
         np.abs(a - b).max() for a, b in zip(small.get_weights(), before)))
     result["recompile_logs"] = sorted(history.history)
     result["recompile_iterations"] = int(small.optimizer.iterations.numpy())
+    for call in ("train_on_batch", "test_on_batch", "predict_on_batch"):
+        arguments = (np.zeros((4, 2), "float32"),) + (
+            () if call == "predict_on_batch" else (np.zeros(4, "int32"),))
+        try:
+            getattr(small, call)(*arguments)
+            result[call] = "ran"
+        except ValueError as error:
+            result[call] = str(error)
+    try:
+        small.fit(dataset_fn, np.zeros(4), steps_per_epoch=2, verbose=0)
+        result["dataset_fn_with_y"] = "ran"
+    except ValueError as error:
+        result["dataset_fn_with_y"] = str(error)
     try:
         small.fit(train.repeat(), epochs=1, verbose=0)
     except ValueError as error:

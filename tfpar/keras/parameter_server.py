@@ -50,12 +50,26 @@ def patches():
     return [
         *[(trainer, name, functools.partial(_dispatch, loop=loop))
           for name, loop in (("fit", fit), ("evaluate", evaluate), ("predict", predict))],
+        *[(trainer, name, functools.partial(_dispatch, loop=functools.partial(
+            _refuse_on_batch, name=name, instead=instead)))
+          for name, instead in (("train_on_batch", "fit(x, y, batch_size=len(x), epochs=1)"),
+                                ("test_on_batch", "evaluate(x, y, batch_size=len(x))"),
+                                ("predict_on_batch", "predict(x, batch_size=len(x))"))],
         (variable, "assign_add", functools.partial(_atomic, name="assign_add")),
         (variable, "assign_sub", functools.partial(_atomic, name="assign_sub")),
         (optimizer, "add_variable_from_reference", _uncolocated_for_shards),
         (variable, "__array__", _sharded_as_array),
         (optimizer, "_distributed_tf_update_step", _sharded_updates_direct),
     ]
+
+
+def _refuse_on_batch(model, *args, name, instead, **kwargs):
+    # Keras would run these on the chief, reading and writing every ps variable from
+    # there (TensorFlow only warns): not parameter-server training.
+    raise ValueError(
+        f"{name} runs one step on the chief, which does not train under "
+        f"tfpar.ParameterServerStrategy (workers run the steps). Use model.{instead}: one "
+        f"batch, run on a worker.")
 
 
 def _uses_parameter_servers(strategy):
@@ -188,6 +202,12 @@ class _Input:
                  shuffle=False, class_weight=None):
         get_data_adapter = internals.symbol("keras.src.trainers.data_adapters.get_data_adapter")
         if callable(x) and not isinstance(x, tf.data.Dataset):
+            given = [n for n, v in (("y", y), ("sample_weight", sample_weight)) if v is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} cannot be passed with a dataset function: the "
+                    f"function's dataset must yield them, as (x, y) or (x, y, sample_weight) "
+                    f"elements. Received a dataset function and {', '.join(given)}.")
             self.dataset_fn = x
             self.dataset = x(tf.distribute.InputContext())
             if not isinstance(self.dataset, tf.data.Dataset):
