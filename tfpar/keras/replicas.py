@@ -44,6 +44,12 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _local = threading.local()
 
 
+def replica_id():
+    """The current replica's index in its strategy (0 outside replica threads)."""
+    return internals.symbol(
+        "tensorflow.python.distribute.values_util.get_current_replica_id_as_int")() or 0
+
+
 def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
     """The replica context of a tfpar strategy carrying `marker`, or None.
 
@@ -73,6 +79,12 @@ def own_loss_normalization():
         _local.suspended = previous
 
 
+def _normalizing_context():
+    """The replica context in which tfpar normalizes losses globally, or None (also while a
+    step weighs its parts itself: `own_loss_normalization`)."""
+    return None if getattr(_local, "suspended", False) else _replica_context()
+
+
 def call_losses(layer):
     """The losses `layer` added in its last call (this replica's, under tfpar replicas)."""
     if _per_replica():
@@ -92,7 +104,7 @@ def _global_mean(keras_reduce):
     @functools.wraps(keras_reduce)
     def reduce_weighted_values(values, sample_weight=None, mask=None,
                                reduction="sum_over_batch_size", dtype=None):
-        context = None if getattr(_local, "suspended", False) else _replica_context()
+        context = _normalizing_context()
         if context is None or reduction not in _MEAN_REDUCTIONS:
             return keras_reduce(values, sample_weight, mask, reduction, dtype)
         values = tf.convert_to_tensor(values, dtype=dtype)
@@ -104,8 +116,7 @@ def _global_mean(keras_reduce):
             None if mask is None else tf.cast(mask, values.dtype),
             dtype=values.dtype, reduction="sum")
         squeeze = internals.symbol("keras.src.losses.loss.squeeze_or_expand_to_same_rank")
-        if weights is not None:
-            weights = tf.cast(weights, values.dtype)
+        if weights is not None:  # Already in values' dtype (apply_mask casts to it).
             values, weights = squeeze(values, weights)
             values = values * weights
         total = tf.reduce_sum(values)
@@ -123,15 +134,10 @@ def _global_mean(keras_reduce):
     return reduce_weighted_values
 
 
-def _replica_id():
-    return internals.symbol(
-        "tensorflow.python.distribute.values_util.get_current_replica_id_as_int")() or 0
-
-
 def _own_losses(layer):
     """This replica's call losses of `layer` (a list kept on the layer, per replica)."""
     store = layer.__dict__.setdefault("_tfpar_replica_losses", {})
-    return store.setdefault(_replica_id(), [])
+    return store.setdefault(replica_id(), [])
 
 
 def _per_replica():
@@ -176,7 +182,7 @@ def _summed_over_replicas(keras_unscale):
 
     @functools.wraps(keras_unscale)
     def unscale_loss_for_distribution(value):
-        context = None if getattr(_local, "suspended", False) else _replica_context()
+        context = _normalizing_context()
         if context is None:
             return keras_unscale(value)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
@@ -276,13 +282,15 @@ def _build_from_one_replica(keras_build):
     return build
 
 
-def _xla_refused_clearly(keras_make_function):
-    """TensorFlowTrainer._make_function: a strategy that XLA cannot compile says so.
+def _refused_before_the_first_step(keras_make_function):
+    """TensorFlowTrainer._make_function: what a strategy cannot run, it says before any step.
 
-    Keras compiles the whole distributed step (every replica or stage, and the
-    all-reduce) as one XLA program, which XLA cannot place on several devices: the run
-    failed with "Trying to access resource ... located in device CPU:1". A tfpar strategy
-    that spans devices refuses `jit_compile=True` before the first step instead.
+    - `jit_compile=True`: Keras compiles the whole distributed step (every replica or
+      stage, and the all-reduce) as one XLA program, which XLA cannot place on several
+      devices: the run failed with "Trying to access resource ... located in device
+      CPU:1". A tfpar strategy that spans devices refuses it (`_tfpar_xla_refusal`).
+    - A step the strategy cannot build as asked (`_tfpar_step_refusal`; the pipeline's
+      for a model that overrides `train_step`).
     """
 
     @functools.wraps(keras_make_function)
@@ -332,7 +340,7 @@ def patches():
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
     return [
         (trainer, "_maybe_symbolic_build", _build_from_one_replica),
-        (trainer, "_make_function", _xla_refused_clearly),
+        (trainer, "_make_function", _refused_before_the_first_step),
         (loss_module, "reduce_weighted_values", _global_mean),
         (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
         (keras.layers.BatchNormalization, "build", _mean_aggregated_statistics),

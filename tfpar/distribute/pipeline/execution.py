@@ -16,14 +16,16 @@ actions strictly in schedule order, while different stages overlap. Data flows
 between stages as usual, so the graph is the schedule.
 
 *Scaling.* Keras' default losses are means over the batch. Micro-batch m's loss
-(a mean over its B/M examples, with Keras' 1/replicas scaling) is multiplied by
-1/M, so the summed gradients are those of the mean over the whole batch. A batch
-whose size is known only when the step runs (an epoch's last partial batch) may
-not split evenly: its micro-batches differ by at most one example, and each one's
-loss is multiplied by its share of the batch instead. A loss with reduction "sum"
-is not scaled. Losses added in `call` (activity
-regularizers, normalized by batch size) are scaled the same way as the loss; weight
-regularizers are added once per step, by the stage that owns the layer.
+(a mean over its examples, with Keras' 1/replicas scaling) is multiplied by R times
+its share of the *global* batch: 1/M when every part is equal, else its examples
+over all replicas' examples (an epoch's last batch splits into micro-batches that
+differ by one example, and replicas that differ too), or its sum of sample weights
+over the global sum for `mean_with_sample_weight`. The summed gradients are then
+those of the mean over the whole global batch. A loss with reduction "sum" is not
+scaled. Losses added in `call` (activity regularizers, normalized by batch size)
+are scaled by the examples' share; weight regularizers are added once per step, by
+the stage that owns the layer. A custom `compute_loss` is scaled by the examples'
+share, and the call losses of earlier stages it reads get their gradient from it.
 
 *Rematerialization.* With `remat`, F(s, m) runs without a tape and keeps only its
 input; B(s, m) runs the stage again under a tape, then takes the VJP. The rerun
@@ -51,7 +53,6 @@ from tfpar.keras.losses import (
     SUM, WEIGHT, has_custom_compute_loss, loss_kind, outputs_masked)
 from tfpar.plan.schedule import FORWARD, execution_order
 from tfpar.plan.stages import check_micro_batches
-
 
 
 def _tensors(structure):
@@ -311,7 +312,8 @@ class TrainStep:
                 sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
         elif internals.attr(model, "_compile_loss") is not None:
-            loss = model._compile_loss(self.y_parts[m], y_pred, self.weight_parts[m])
+            loss = internals.attr(model, "_compile_loss")(
+                self.y_parts[m], y_pred, self.weight_parts[m])
             if self.kind is None:
                 self._weigh_losses()
             self._refuse_masked_means(y_pred)

@@ -26,8 +26,10 @@ How it works:
 
 Limits: subclassed models have no graph to cut and are refused; a model whose
 class overrides `train_step` is refused by `fit` with a clear error (put custom
-loss logic in `compute_loss`, which is pipelined); `jit_compile=True` is refused. BatchNorm computes its statistics per
-micro-batch (as GPipe does); each micro-batch updates the moving statistics.
+loss logic in `compute_loss`, which is pipelined); `jit_compile=True` is refused;
+masked mean losses with M > 1 are refused. BatchNorm computes its statistics per
+micro-batch (as GPipe does); each micro-batch updates the moving statistics (with R
+replicas, by the mean over replicas).
 """
 
 # Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
@@ -42,18 +44,18 @@ import types
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.keras import hooks as keras_hooks
-from tfpar.keras import internals
-from tfpar.keras import steps
-from tfpar.keras.replicas import own_loss_normalization, xla_refusal
 from tfpar.distribute import group_keys
 from tfpar.distribute import mirrored_placement
-from tfpar.distribute.pipeline import execution as pipeline_exec
-from tfpar.keras import stages as pipeline_stages
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.model_parallel import ModelParallelStrategy, _is_model, claim_model
+from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
+from tfpar.keras import stages as pipeline_stages
+from tfpar.keras import steps
+from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
 from tfpar.plan import schedule as schedule_lib
 from tfpar.plan.communication import select_communication
 
@@ -268,7 +270,7 @@ class PipelineStrategy(tf.distribute.MirroredStrategy):
         import keras
 
         self._place(model)
-        replica = _replica_id()
+        replica = replica_id()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
                                        self._schedule, self._remat, replica, len(self._grid))
@@ -290,14 +292,9 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
     if mask is not None or kwargs or in_symbolic_scope() or any_symbolic_tensors((inputs,)):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
-    replica = _replica_id()
+    replica = replica_id()
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],
                                  strategy.num_micro_batches, inputs, training)
-
-
-def _replica_id():
-    return internals.symbol(
-        "tensorflow.python.distribute.values_util.get_current_replica_id_as_int")() or 0
 
 
 def _stage_count(num_devices, num_replicas, num_stages):
