@@ -140,3 +140,177 @@ def test_launch_without_command_is_an_error():
                             text=True, timeout=60)
     assert result.returncode == 2
     assert "No command to launch" in result.stderr
+
+
+# --max_restarts: worker servers of a parameter-server cluster are started again.
+
+# A fake worker/ps server: records "pid<TAB>grandchild pid<TAB>TF_CONFIG" and sleeps. The
+# grandchild (a process it started) must go with it.
+_RECORDING_SERVER = (
+    "import os, subprocess, sys, time;"
+    f"p = subprocess.Popen([{PY!r}, '-c', 'import time; time.sleep(600)']);"
+    "open(os.environ['PID_FILE'], 'a').write("
+    "f\"{os.getpid()}\\t{p.pid}\\t{os.environ['TF_CONFIG']}\\n\");"
+    "time.sleep(600)")
+
+# The chief kills worker:1 with SIGKILL each time it is (re)started, `KILLS` times, then
+# waits a second (no further start may come) and exits 0.
+_KILLING_CHIEF = """
+import json, os, signal, sys, time
+def starts(name):
+    rows = [l.split('\\t') for l in open(os.environ['PID_FILE']).read().splitlines() if l]
+    return [r for r in rows
+            if '{type}:{index}'.format(**json.loads(r[2])['task']) == name]
+deadline = time.monotonic() + 20
+for n in range(1, int(os.environ['KILLS']) + 1):
+    while len(starts('worker:1')) < n:
+        if time.monotonic() > deadline:
+            sys.exit(9)
+        time.sleep(0.05)
+    os.kill(int(starts('worker:1')[-1][0]), signal.SIGKILL)
+time.sleep(1.0)
+print('worker:1 started', len(starts('worker:1')), 'times')
+"""
+
+
+def _starts(pid_file):
+    rows = [line.split("\t") for line in pid_file.read_text().splitlines() if line]
+    return [(int(pid), int(child), parse_tf_config(tf_config)) for pid, child, tf_config in rows]
+
+
+def test_max_restarts_restarts_a_killed_worker_server_with_its_tf_config(tmp_path):
+    pid_file = tmp_path / "starts"
+    pid_file.write_text("")
+    env = dict(os.environ, PID_FILE=str(pid_file), KILLS="3")
+    start = time.monotonic()
+    exit_code, lines, launcher = _launch(tmp_path, _KILLING_CHIEF, workers=2, ps=1,
+                                         server=_RECORDING_SERVER, env=env, max_restarts=2,
+                                         grace_seconds=2)
+    assert exit_code == 0, lines
+    assert time.monotonic() - start < 20
+    assert "[chief:0] worker:1 started 3 times" in lines  # Killed 3 times, restarted twice.
+    launcher_lines = [line for line in lines if line.startswith("[launcher]")]
+    assert launcher_lines == [
+        "[launcher] worker:1 exited with code -9: restarting it (restart 1 of 2)",
+        "[launcher] worker:1 exited with code -9: restarting it (restart 2 of 2)",
+        "[launcher] worker:1 exited with code -9: not restarting it any more "
+        "(restarted 2 of 2 times); the chief decides whether the run goes on",
+    ]
+    starts = _starts(pid_file)
+    by_task = {}
+    for pid, child, config in starts:
+        by_task.setdefault(config.task_name, []).append(config)
+    # Only worker:1 was started again, each time with the same TF_CONFIG (same address).
+    assert {name: len(c) for name, c in by_task.items()} == {"worker:0": 1, "worker:1": 3,
+                                                            "ps:0": 1}
+    first = by_task["worker:1"][0]
+    assert all(c == first for c in by_task["worker:1"])
+    assert first.cluster == launcher.cluster
+    assert len(launcher.tasks) == 4 and len(launcher.replaced) == 2
+    # stop() left nothing behind: not the servers, not what they started.
+    time.sleep(0.2)
+    pids = [p for pid, child, _ in starts for p in (pid, child)]
+    assert not [p for p in pids if _alive(p)], "processes left behind"
+    assert all(t.process.poll() is not None for t in launcher.tasks + launcher.replaced)
+
+
+def test_without_max_restarts_a_dead_worker_server_stays_dead(tmp_path):
+    pid_file = tmp_path / "starts"
+    pid_file.write_text("")
+    env = dict(os.environ, PID_FILE=str(pid_file), KILLS="1")
+    exit_code, lines, launcher = _launch(tmp_path, _KILLING_CHIEF, workers=2, ps=1,
+                                         server=_RECORDING_SERVER, env=env, grace_seconds=2)
+    assert exit_code == 0, lines
+    assert lines == ["[chief:0] worker:1 started 1 times"]
+    assert not launcher.replaced
+
+
+def test_max_restarts_is_refused_without_ps_and_when_negative():
+    with pytest.raises(ValueError, match="applies to parameter-server clusters"):
+        Launcher([PY, "-c", "pass"], 2, max_restarts=1)
+    with pytest.raises(ValueError, match="--max_restarts must be an integer >= 0"):
+        Launcher([PY, "-c", "pass"], 1, 1, max_restarts=-1)
+    Launcher([PY, "-c", "pass"], 2, max_restarts=0)  # The default is fine everywhere.
+
+
+def test_launch_max_restarts_flag():
+    def launch(*flags):
+        return subprocess.run([PY, "-m", "tfpar.launch", *flags, "--", PY, "-c", "pass"],
+                              capture_output=True, text=True, timeout=60)
+
+    result = launch("--workers=1", "--ps=1", "--max_restarts=-1")
+    assert result.returncode == 2
+    assert "tfpar launch: --max_restarts must be an integer >= 0. Received: -1" in result.stderr
+    result = launch("--workers=2", "--max_restarts=1")
+    assert result.returncode == 2
+    assert "applies to parameter-server clusters" in result.stderr
+
+
+# --data_service
+
+def test_data_service_processes_env_and_a_dead_dispatcher(tmp_path, monkeypatch):
+    from tfpar.cluster import launcher as launcher_module
+    from tfpar.data_service import DATA_SERVICE_ENV
+
+    # A fake `python -m tfpar.data_service`: prints its flags; the dispatcher exits with 4
+    # after a second.
+    fake = ("import sys, time; print(' '.join(sys.argv[1:]), flush=True);"
+            "'--role=dispatcher' in sys.argv and (time.sleep(1.0), sys.exit(4));"
+            "time.sleep(600)")
+    monkeypatch.setattr(launcher_module, "DATA_SERVICE_COMMAND", (PY, "-c", fake))
+    chief = (f"import os, time; print(os.environ[{DATA_SERVICE_ENV!r}], flush=True);"
+             "time.sleep(600)")
+    start = time.monotonic()
+    exit_code, lines, launcher = _launch(tmp_path, chief, workers=2, ps=1, data_service=True,
+                                         grace_seconds=2)
+    assert exit_code == 4, lines
+    assert time.monotonic() - start < 15
+    assert DATA_SERVICE_ENV == "TFPAR_DATA_SERVICE"
+    address = launcher.data_service
+    port = int(address.rsplit(":", 1)[1])
+    assert address == f"grpc://127.0.0.1:{port}"
+    assert f"[chief:0] {address}" in lines
+    assert f"[data_service:dispatcher] --role=dispatcher --port={port}" in lines
+    worker_lines = sorted(line for line in lines if line.startswith("[data_service:worker:"))
+    assert len(worker_lines) == 2
+    ports = {port}
+    for index, line in enumerate(worker_lines):
+        prefix, role, worker_port, dispatcher, host = line.split()
+        assert (prefix, role) == (f"[data_service:worker:{index}]", "--role=worker")
+        assert (dispatcher, host) == (f"--dispatcher=127.0.0.1:{port}", "--host=127.0.0.1")
+        ports.add(int(worker_port.split("=")[1]))
+    cluster_ports = {int(a.rsplit(":", 1)[1]) for a in sum(launcher.cluster.values(), ())}
+    assert len(ports) == 3 and not ports & cluster_ports
+    assert lines[-1] == ("[launcher] data_service:dispatcher exited with code 4: "
+                         "the tf.data service is gone, stopping all tasks")
+    assert len(launcher.tasks) == 3 + 4  # dispatcher, 2 data workers; chief, 2 workers, ps
+    assert all(t.process.poll() is not None for t in launcher.tasks)
+
+
+@pytest.mark.slow
+def test_data_service_distributes_an_epoch_exactly_once():
+    chief = (
+        "import os, tensorflow as tf;"
+        "address = os.environ['TFPAR_DATA_SERVICE'];"
+        "ds = tf.data.Dataset.range(20).apply("
+        "tf.data.experimental.service.distribute('distributed_epoch', address));"
+        "print('elements', sorted(int(x) for x in ds.as_numpy_iterator()), flush=True)")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    launcher = subprocess.Popen(
+        [PY, "-m", "tfpar.launch", "--data_service", "--workers=2", "--ps=1", "--grace_seconds=2",
+         "--", PY, "-c", chief],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)  # The launcher stops its tasks.
+            try:
+                launcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+    assert launcher.returncode == 0, out[-4000:]
+    [elements] = [line for line in out.splitlines() if line.startswith("[chief:0] elements ")]
+    assert elements == f"[chief:0] elements {list(range(20))}", out[-4000:]
+    assert "[data_service:dispatcher] tfpar.data_service: dispatcher serving at" in out
+    assert "tfpar.data_service: worker serving at grpc://127.0.0.1:" in out

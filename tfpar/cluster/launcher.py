@@ -4,6 +4,18 @@ Without parameter servers every worker runs the user's command (worker 0 is the
 chief). With parameter servers the chief runs the command and the workers and ps
 tasks run `python -m tfpar.server`. Each output line is prefixed with its task;
 when a task that matters fails, the others are stopped and its exit code returned.
+
+Two options:
+
+- `max_restarts=N` (parameter-server clusters only): a worker server that exits is started
+  again with the same TF_CONFIG (same address: the coordinator reconnects to it), at most N
+  times per worker task. The chief and the ps tasks are never restarted (a ps holds the
+  variables). Collective training without ps cannot take a restarted worker back, so
+  `max_restarts` is refused there.
+- `data_service=True`: a tf.data service for the run (`python -m tfpar.data_service`): one
+  dispatcher and one tf.data service worker per training worker, on free ports of the same
+  host; every cluster task gets the dispatcher's address in `TFPAR_DATA_SERVICE`
+  (`grpc://host:port`). If the dispatcher dies, all tasks are stopped with its exit code.
 """
 
 import contextlib
@@ -16,8 +28,10 @@ import threading
 import time
 
 from tfpar.cluster.tf_config import ClusterConfig
+from tfpar.data_service import DATA_SERVICE_ENV
 
 SERVER_COMMAND = (sys.executable, "-m", "tfpar.server")
+DATA_SERVICE_COMMAND = (sys.executable, "-m", "tfpar.data_service")
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -43,14 +57,24 @@ def make_cluster(workers, ps=0, host="127.0.0.1"):
 
 
 class Task:
-    """One started process of the cluster."""
+    """One started process of the cluster.
 
-    def __init__(self, config, command, env, output):
-        self.name = config.task_name
-        env = dict(env, TF_CONFIG=config.to_json(), PYTHONUNBUFFERED="1")
+    With a `config` the process gets its TF_CONFIG and is named after its task; without
+    one (a helper process such as the tf.data service) it is named `name`.
+    """
+
+    def __init__(self, config, command, env, output, name=None):
+        self.config = config
+        self.name = config.task_name if config is not None else name
+        self.command = list(command)
+        self.env = dict(env, PYTHONUNBUFFERED="1")
+        if config is not None:
+            self.env["TF_CONFIG"] = config.to_json()
+        self.restarts = 0  # How many times this task was started again before this process.
+        self._output = output
         # Own session: stopping a task stops everything it started, and nothing else.
         self.process = subprocess.Popen(
-            list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         self._reader = threading.Thread(target=self._forward, args=(output,), daemon=True)
         self._reader.start()
@@ -66,38 +90,94 @@ class Task:
     def join_output(self, timeout=5):
         self._reader.join(timeout)
 
+    def restart(self):
+        """A new Task running the same command with the same environment (and TF_CONFIG).
+
+        What the exited process left in its process group is killed first: it could hold
+        the task's port.
+        """
+        self.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)  # Anything left of the group yet?
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.02)
+        task = Task(self.config, self.command, self.env, self._output, name=self.name)
+        task.restarts = self.restarts + 1
+        return task
+
 
 class Launcher:
-    """Runs one process per task of a local cluster. Use `run()`; see `tfpar launch`."""
+    """Runs one process per task of a local cluster. Use `run()`; see `tfpar launch`.
+
+    Args:
+      command: the user's program (run by every worker, or by the chief when `ps`).
+      workers, ps, host: the cluster (see `make_cluster`).
+      grace_seconds: between SIGTERM and SIGKILL when stopping.
+      server_command: what worker and ps tasks run when `ps` (`python -m tfpar.server`).
+      env: the environment of the tasks (default: this process's).
+      output: called with every prefixed output line (default: print).
+      report_seconds: after a ps dies, how long the chief gets to fail on its own.
+      max_restarts: with `ps`, how many times each worker task is started again after it
+        exits (same TF_CONFIG). Refused without `ps`.
+      data_service: also run a tf.data service (a dispatcher and one worker per training
+        worker); every task gets its address in `TFPAR_DATA_SERVICE`.
+    """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
-                 server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0):
+                 server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
+                 max_restarts=0, data_service=False):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"--max_restarts must be an integer >= 0. Received: {max_restarts!r}")
+        if max_restarts and not ps:
+            raise ValueError(
+                f"--max_restarts={max_restarts} applies to parameter-server clusters (--ps >= 1), "
+                f"where a restarted worker server rejoins the coordinator. Without ps every "
+                f"worker runs the command in collective training, which cannot take a "
+                f"restarted worker back: restart the whole run instead (with --model_dir it "
+                f"resumes from the last completed epoch).")
         self.command = list(command)
         self.cluster = make_cluster(workers, ps, host)
+        self.host = host
         self.grace_seconds = grace_seconds
         # After a ps dies, the chief gets this long to fail on its own: its error says
         # which task was lost and how to resume, which the launcher cannot.
         self.report_seconds = report_seconds
         self.server_command = list(server_command)
+        self.max_restarts = max_restarts
         self.env = dict(os.environ if env is None else env)
+        self.data_service = None  # The dispatcher's address, "grpc://host:port".
+        if data_service:
+            self._data_service_ports = self._free_ports_outside_cluster(1 + workers)
+            self.data_service = f"grpc://{host}:{self._data_service_ports[0]}"
+            self.env[DATA_SERVICE_ENV] = self.data_service
         self._lock = threading.Lock()
         self._output = output or self._print
-        self.tasks = []
+        self.tasks = []  # The current process of every task (restarted ones replace theirs).
+        self.replaced = []  # Tasks that exited and were restarted.
 
     def _print(self, line):
         with self._lock:
             print(line, flush=True)
 
+    def _free_ports_outside_cluster(self, count):
+        used = {int(a.rsplit(":", 1)[1]) for addresses in self.cluster.values() for a in addresses}
+        ports = [p for p in free_ports(count + len(used), self.host) if p not in used]
+        return ports[:count]
+
     def _plan(self):
-        """(config, command, runs_user_code, fatal) for every task.
+        """(config, command, runs_user_code, fatal, restartable) for every task.
 
         The run succeeds when every task running the user's command exits 0; it fails
         when one of those fails, or a ps task dies (its variables are gone; the chief
         gets `report_seconds` to fail with its own error first). A worker server that
-        dies is not fatal: a parameter-server coordinator reschedules its work.
+        dies is not fatal: a parameter-server coordinator reschedules its work (and
+        takes the worker back when `max_restarts` starts it again).
         """
         has_ps = "ps" in self.cluster
         plan = []
@@ -106,8 +186,24 @@ class Launcher:
                 config = ClusterConfig(self.cluster, job, index)
                 runs_user_code = job == "chief" or not has_ps
                 plan.append((config, self.command if runs_user_code else self.server_command,
-                             runs_user_code, runs_user_code or job == "ps"))
+                             runs_user_code, runs_user_code or job == "ps",
+                             has_ps and job == "worker"))
         return plan
+
+    def _start_data_service(self):
+        """Starts the dispatcher and its workers; returns the dispatcher's task."""
+        env = {k: v for k, v in self.env.items() if k != "TF_CONFIG"}
+        dispatcher_port, *worker_ports = self._data_service_ports
+        dispatcher = Task(None, [*DATA_SERVICE_COMMAND, "--role=dispatcher",
+                                 f"--port={dispatcher_port}"],
+                          env, self._output, name="data_service:dispatcher")
+        self.tasks.append(dispatcher)
+        for index, port in enumerate(worker_ports):
+            self.tasks.append(Task(
+                None, [*DATA_SERVICE_COMMAND, "--role=worker", f"--port={port}",
+                       f"--dispatcher={self.host}:{dispatcher_port}", f"--host={self.host}"],
+                env, self._output, name=f"data_service:worker:{index}"))
+        return dispatcher
 
     def run(self):
         """Starts every task and waits; returns the exit code of the run."""
@@ -125,15 +221,20 @@ class Launcher:
         self._interrupted = signum
 
     def _run(self):
-        user_tasks, fatal_tasks = [], []
-        for config, command, runs_user_code, fatal in self._plan():
+        dispatcher = self._start_data_service() if self.data_service else None
+        data_service_workers = self.tasks[1:]
+        user_tasks, fatal_tasks, restartable = [], [], []
+        for config, command, runs_user_code, fatal, can_restart in self._plan():
             task = Task(config, command, self.env, self._output)
             self.tasks.append(task)
             if runs_user_code:
                 user_tasks.append(task)
             if fatal:
                 fatal_tasks.append(task)
+            if can_restart:
+                restartable.append(task)
         lost, report_deadline = None, None  # A dead server task, and the chief's time to say so.
+        given_up = set()  # Worker tasks that exited with no restart left (said once).
         while True:
             if self._interrupted is not None:
                 self._output(f"[launcher] got signal {self._interrupted}: stopping all tasks")
@@ -149,29 +250,67 @@ class Launcher:
                 lost, report_deadline = task, time.monotonic() + self.report_seconds
                 self._output(f"[launcher] {task.name} exited with code {code}: waiting up to "
                              f"{self.report_seconds:g}s for the chief to stop")
+            if dispatcher is not None and dispatcher.process.poll() is not None:
+                code = dispatcher.process.returncode
+                self._output(f"[launcher] {dispatcher.name} exited with code {code}: "
+                             f"the tf.data service is gone, stopping all tasks")
+                return code or 1
+            for task in data_service_workers:
+                if task.process.poll() is not None and task not in given_up:
+                    given_up.add(task)
+                    self._output(f"[launcher] {task.name} exited with code "
+                                 f"{task.process.returncode} (a tf.data service worker: "
+                                 f"not restarted)")
             if all(t.process.poll() == 0 for t in user_tasks):
                 return 0  # The chief finished: the run did what it was for.
             if lost is not None and time.monotonic() > report_deadline:
                 self._output(f"[launcher] the chief still runs {self.report_seconds:g}s after "
                              f"{lost.name} exited: stopping all tasks")
                 return lost.process.returncode
+            for i, task in enumerate(restartable):
+                self._restart_if_exited(restartable, i, given_up)
             time.sleep(0.1)
+
+    def _restart_if_exited(self, restartable, i, given_up):
+        """Starts worker task `restartable[i]` again if it exited and has restarts left."""
+        task = restartable[i]
+        code = task.process.poll()
+        if code is None or task in given_up or not self.max_restarts:
+            return
+        if task.restarts >= self.max_restarts:
+            given_up.add(task)
+            self._output(f"[launcher] {task.name} exited with code {code}: not restarting it "
+                         f"any more (restarted {task.restarts} of {self.max_restarts} times); "
+                         f"the chief decides whether the run goes on")
+            return
+        self._output(f"[launcher] {task.name} exited with code {code}: restarting it "
+                     f"(restart {task.restarts + 1} of {self.max_restarts})")
+        new = task.restart()
+        with self._lock:  # stop() may run from another thread.
+            self.tasks[self.tasks.index(task)] = new
+            self.replaced.append(task)
+        restartable[i] = new
 
     def stop(self):
         """Stops every process the tasks started: SIGTERM, then SIGKILL after the grace period.
 
         Whole process groups are signalled, also for tasks that already exited, so that
-        nothing they started is left behind.
+        nothing they started is left behind. A restarted task's earlier process groups were
+        killed when it was restarted; its current one is stopped here like any other.
         """
-        for task in self.tasks:
+        with self._lock:
+            tasks, replaced = list(self.tasks), list(self.replaced)
+        for task in tasks:
             task.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.grace_seconds
-        for task in self.tasks:
+        for task in tasks:
             try:
                 task.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for task in self.tasks:
+        for task in tasks:
             task.signal(signal.SIGKILL)
             task.process.wait()
+            task.join_output()
+        for task in replaced:
             task.join_output()
