@@ -2,6 +2,7 @@
 no other, and a missing one fails closed with the versions named."""
 
 import ast
+import importlib
 import inspect
 import pathlib
 import re
@@ -56,9 +57,14 @@ def test_every_private_attribute_exists():
     collective = inspect.getsource(internals.symbol(
         "tensorflow.python.distribute.collective_all_reduce_strategy."
         "CollectiveAllReduceExtended"))
+    # Nor can a coordinator and its remote values be made without a cluster.
+    coordinator = "".join(
+        inspect.getsource(getattr(importlib.import_module(f"tensorflow.python.distribute.{m}"), c))
+        for m, c in (("coordinator.cluster_coordinator", "ClusterCoordinator"),
+                     ("coordinator.values", "RemoteValueImpl")))
     missing = [name for name in internals.ATTRIBUTES
                if not any(hasattr(obj, name) for obj in objects)
-               and f"self.{name} =" not in collective]
+               and f"self.{name} =" not in collective + coordinator]
     assert not missing, f"not found on any reference object: {missing}"
 
 

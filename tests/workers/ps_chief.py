@@ -10,9 +10,14 @@ Scenarios (each needs its own cluster: a process joins one cluster, once):
   sync    2 workers, 2 ps, mode="sync", a partitioned Embedding: weights against
           one device on the combined batch, shard placement, weights round trip,
           loading on one device.
+  exact   2 workers, 2 ps, async: stateful updates lose nothing (metrics, BatchNorm,
+          LossScaleOptimizer under mixed precision) in fit and evaluate against one
+          device; batch logs; each worker reads its own shard.
   faults  2 workers, 1 ps: a long fit during which the test kills and restarts a
           worker (prints "FIT STARTED"); then a fit during which the test kills
           the ps (prints "PS FIT STARTED").
+  no_workers  1 worker, 1 ps: a long fit during which the test kills the only
+          worker (prints "FIT STARTED").
 """
 
 import json
@@ -25,7 +30,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scenario", "async", ["async", "sync", "faults"], "What to run.")
+flags.DEFINE_enum("scenario", "async", ["async", "sync", "exact", "faults", "no_workers"],
+                  "What to run.")
 flags.DEFINE_string("out", None, "Directory for result.json.")
 
 
@@ -192,15 +198,135 @@ def run_sync(strategy, result):
         np.abs(single.predict(x, verbose=0) - model.predict(x, verbose=0)).max())
 
 
+def run_exact(strategy, result):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def make(scope_strategy):
+        keras.utils.set_random_seed(1)
+        with scope_strategy.scope():
+            model = keras.Sequential([
+                keras.Input((4,)), keras.layers.Dense(8),
+                keras.layers.BatchNormalization(momentum=0.99),
+                keras.layers.Dense(1, activation="sigmoid", dtype="float32")])
+            # A learning rate of 0: every step sees the same weights, so one device on the
+            # same examples gives the same per-step metric updates in any order.
+            model.compile(
+                # Scaled gradients stay finite: the loss scale doubles every 50 steps.
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0),
+                                                    initial_scale=16.0,
+                                                    dynamic_growth_steps=50),
+                "binary_crossentropy",
+                metrics=[keras.metrics.BinaryAccuracy(name="accuracy"),
+                         keras.metrics.Precision(name="precision"),
+                         keras.metrics.Recall(name="recall"), keras.metrics.AUC(name="auc")],
+                steps_per_execution=5)  # Workers run steps back to back: updates collide.
+        return model
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32") + 3.0
+    y = rng.integers(0, 2, (32, 1)).astype("float32")
+    train = tf.data.Dataset.from_tensors((x, y))
+    model, local = make(strategy), make(tf.distribute.get_strategy())
+    local.set_weights(model.get_weights())
+    batch_logs = []
+    logger = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch_logs.append(dict(logs)))
+    history = model.fit(train.repeat(), steps_per_epoch=100, epochs=2, verbose=0,
+                        callbacks=[logger])
+    local_history = local.fit(train.repeat(), steps_per_epoch=100, epochs=2, verbose=0)
+    result["exact_history"] = history.history
+    result["exact_local_history"] = local_history.history
+    result["batch_logs"] = [{k: float(v) for k, v in logs.items()} for logs in batch_logs]
+    bn = model.layers[1]
+    local_bn = local.layers[1]
+    result["moving_mean_difference"] = float(np.abs(
+        bn.moving_mean.numpy() - local_bn.moving_mean.numpy()).max())
+    result["moving_mean_moved"] = float(np.abs(bn.moving_mean.numpy()).max())
+    result["moving_variance_difference"] = float(np.abs(
+        bn.moving_variance.numpy() - local_bn.moving_variance.numpy()).max())
+    for name, optimizer in (("ps", model.optimizer), ("local", local.optimizer)):
+        result[f"{name}_loss_scale"] = float(optimizer.dynamic_scale.numpy())
+        result[f"{name}_scale_steps"] = int(optimizer.step_counter.numpy())
+        result[f"{name}_iterations"] = int(optimizer.iterations.numpy())
+
+    # evaluate on distinct batches, which workers update the metrics with at once.
+    test_x = rng.normal(size=(1024, 4)).astype("float32") + 3.0
+    test_y = (test_x[:, :1] + rng.normal(size=(1024, 1)) > 3.0).astype("float32")
+    local.set_weights(model.get_weights())
+    result["exact_evaluate"] = model.evaluate(test_x, test_y, batch_size=16, verbose=0,
+                                              return_dict=True)
+    result["exact_local_evaluate"] = local.evaluate(test_x, test_y, batch_size=16, verbose=0,
+                                                    return_dict=True)
+    keras.mixed_precision.set_global_policy("float32")
+
+    # Which batches an epoch reads: each worker its own shard, not all of them the same.
+    class Seen(keras.metrics.Metric):
+        def __init__(self, batches):
+            super().__init__(name="seen")
+            self.counts = self.add_variable((batches,), "zeros", name="counts")
+            self.batches = batches
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            hits = tf.one_hot(tf.cast(y_true[:, 0], "int32"), self.batches)
+            self.counts.assign(self.counts + tf.reduce_sum(hits, axis=0))
+
+        def result(self):
+            return tf.reduce_sum(self.counts)
+
+    seen = Seen(20)
+    with strategy.scope():
+        counter = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        counter.compile(keras.optimizers.SGD(0.0), "mse", metrics=[seen], steps_per_execution=10)
+    batch_ids = np.repeat(np.arange(20), 8).astype("float32")[:, None]
+    counter.fit(batch_ids, batch_ids, batch_size=8, shuffle=False, epochs=1, verbose=0)
+    result["seen_counts"] = [int(c) for c in seen.counts.numpy() / 8]
+
+    # TerminateOnNaN sees the batch logs.
+    with strategy.scope():
+        nan_model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        nan_model.compile("sgd", "mse")
+    nan_data = tf.data.Dataset.from_tensors(
+        (np.full((4, 1), np.nan, "float32"), np.zeros((4, 1), "float32"))).repeat()
+    nan_model.fit(nan_data, steps_per_epoch=200, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.TerminateOnNaN()])
+    result["nan_iterations"] = int(nan_model.optimizer.iterations.numpy())
+
+
 def run_faults(strategy, result):
+    import keras
+
     from tfpar.errors import ClusterError
 
+    class StepCounter(keras.layers.Layer):
+        """Counts training forward passes in a ps variable, apart from the optimizer."""
+
+        def build(self, input_shape):
+            self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                         dtype="int64", name="count")
+
+        def call(self, inputs, training=None):
+            if training:
+                self.count.assign_add(1)
+            return inputs
+
     model = _spirals_model(strategy)
+    with strategy.scope():
+        counter = StepCounter()
+        counted = keras.Sequential([keras.Input((2,)), counter,
+                                    keras.layers.Dense(64, activation="relu"),
+                                    keras.layers.Dense(3)])
+        counted.compile(keras.optimizers.Adam(0.01),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     train, _ = _spirals("train", 32)
 
     print("FIT STARTED", flush=True)
-    model.fit(train.repeat(), steps_per_epoch=150, epochs=4, verbose=2)
-    result["iterations_after_worker_failure"] = int(model.optimizer.iterations.numpy())
+    counted.fit(train.repeat(), steps_per_epoch=150, epochs=4, verbose=2)
+    result["iterations_after_worker_failure"] = int(counted.optimizer.iterations.numpy())
+    result["forward_passes_after_worker_failure"] = int(counter.count.numpy())
     result["steps_asked"] = 600
     _write(result)
     print("PS FIT STARTED", flush=True)
@@ -211,6 +337,21 @@ def run_faults(strategy, result):
         result["ps_error"] = str(error)
         result["ps_error_seconds"] = time.monotonic() - start
     print("PS FIT ENDED", flush=True)
+
+
+def run_no_workers(strategy, result):
+    from tfpar.errors import ClusterError
+
+    model = _spirals_model(strategy)
+    train, _ = _spirals("train", 32)
+    print("FIT STARTED", flush=True)
+    start = time.monotonic()
+    try:
+        model.fit(train.repeat(), steps_per_epoch=100000, epochs=1, verbose=0)
+    except ClusterError as error:
+        result["error"] = str(error)
+        result["error_seconds"] = time.monotonic() - start
+    print("FIT ENDED", flush=True)
 
 
 def _write(result):
@@ -233,9 +374,13 @@ def main(argv):
             min_shard_bytes=256, max_shards=2)
         strategy = tfpar.ParameterServerStrategy(variable_partitioner=partitioner, mode="sync")
         run_sync(strategy, result)
+    elif FLAGS.scenario == "no_workers":
+        strategy = tfpar.ParameterServerStrategy(worker_timeout_seconds=10)
+        run_no_workers(strategy, result)
     else:
         strategy = tfpar.ParameterServerStrategy()
-        (run_async if FLAGS.scenario == "async" else run_faults)(strategy, result)
+        {"async": run_async, "exact": run_exact, "faults": run_faults}[FLAGS.scenario](
+            strategy, result)
     result["strategy"] = repr(strategy)
     _write(result)
     print("DONE", flush=True)

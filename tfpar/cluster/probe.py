@@ -24,7 +24,7 @@ def unreachable_tasks(cluster, jobs, timeout_seconds=30.0, poll_seconds=0.2):
     deadline = time.monotonic() + timeout_seconds
     while pending:
         for name, address in list(pending.items()):
-            if _listening(address):
+            if listening(address):
                 del pending[name]
         if not pending or time.monotonic() >= deadline:
             break
@@ -32,7 +32,8 @@ def unreachable_tasks(cluster, jobs, timeout_seconds=30.0, poll_seconds=0.2):
     return sorted(pending)
 
 
-def _listening(address):
+def listening(address):
+    """Whether a task accepts TCP connections at "host:port" now."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):

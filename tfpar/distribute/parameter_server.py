@@ -15,11 +15,15 @@ Modes:
     the combined batch, as in the classic parameter-server design.
 """
 
+import functools
+import threading
+import time
+
 import tensorflow as tf
 
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
-from tfpar.cluster.probe import unreachable_tasks
+from tfpar.cluster.probe import listening, unreachable_tasks
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.distribute.cluster import cluster_config
 from tfpar.distribute.ps_sync import ASYNC, MODES
@@ -49,15 +53,24 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
       mode: "async" (default) or "sync" (see the module docstring).
       connect_timeout_seconds: how long workers and ps tasks get to start listening
         before the strategy gives up with a clear error.
+      worker_timeout_seconds: how long a wait for workers (the end of an epoch, an
+        evaluate) goes on while no worker is reachable; then it fails with a
+        `ClusterError` naming the lost workers. TensorFlow itself waits an hour for
+        a worker to come back. Restarted workers (`tfpar launch --max_restarts N`)
+        rejoin within this time.
     """
 
     _tfpar_parameter_server = True
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, mode=ASYNC,
-                 connect_timeout_seconds=60.0):
+                 connect_timeout_seconds=60.0, worker_timeout_seconds=300.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}. "
                              f"Received: mode={mode!r}")
+        if not isinstance(worker_timeout_seconds, (int, float)) or worker_timeout_seconds <= 0:
+            raise ValueError(f"worker_timeout_seconds must be a number > 0. Received: "
+                             f"{worker_timeout_seconds!r}")
+        self.worker_timeout_seconds = float(worker_timeout_seconds)
         config = cluster_config(cluster_resolver)
         check_parameter_server_cluster(config)
         missing = unreachable_tasks(config.cluster, ("worker", "ps"), connect_timeout_seconds)
@@ -84,14 +97,35 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
 
     # -- scheduling -------------------------------------------------------------
 
-    def per_worker_iterator(self, dataset):
-        """An iterator on every worker over its own copy of `dataset`.
+    def per_worker_iterator(self, dataset, repeat=False):
+        """An iterator on every worker over its own part of `dataset`.
 
-        `dataset` is a `tf.data.Dataset`, or a function returning one that is traced
-        and built on each worker (so the input pipeline runs there).
+        `dataset` is a `tf.data.Dataset`, split by element over the workers (worker k
+        reads elements k, k + W, ...; each reads all of it when it has fewer elements
+        than there are workers), or a function `fn(input_context)` returning the
+        dataset a worker reads: `input_context.input_pipeline_id` is the worker's index
+        (shard or seed by it, as with `distribute_datasets_from_function`). The input
+        pipeline runs on the workers; a restarted worker builds its iterator again.
+        `repeat=True` repeats each worker's part without end.
         """
+        workers = internals.attr(self.coordinator, "_cluster").workers
+        internals.check([w.worker_index for w in workers] == list(range(len(workers))),
+                        "the coordinator's workers, in task order")
+        make = _per_worker_datasets(dataset, len(workers), repeat)
+        iterators = []
         with self.ps_failures_explained():
-            return iter(self.coordinator.create_per_worker_dataset(dataset))
+            for worker in workers:
+                make_one = tf.function(functools.partial(make, worker.worker_index))
+                make_one = make_one.get_concrete_function()
+                iterator = worker.create_resource(lambda make_one=make_one: iter(make_one()))
+                # The step functions are traced with the iterator as an argument.
+                internals.attr(iterator, "_type_spec")
+                iterator._type_spec = tf.data.IteratorSpec(
+                    make_one.structured_outputs.element_spec)
+                iterators.append(iterator)
+        return internals.symbol(
+            "tensorflow.python.distribute.coordinator.values.PerWorkerDistributedIterator")(
+                tuple(iterators))
 
     def schedule_steps(self, step_fn, iterator, num_steps):
         """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure."""
@@ -106,9 +140,46 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
             return self.coordinator.schedule(run, args=args)
 
     def join(self):
-        """Waits for every scheduled closure; a lost ps raises ClusterError."""
-        with self.ps_failures_explained():
-            self.coordinator.join()
+        """Waits for every scheduled closure; a lost ps, or no worker for
+        `worker_timeout_seconds`, raises ClusterError."""
+        self.wait(self.coordinator.join)
+
+    def fetch(self, remote_value):
+        """The value of a scheduled closure, waited for as `join` waits."""
+        return self.wait(remote_value.fetch)
+
+    def wait(self, blocking_call):
+        """`blocking_call()`, given up with a ClusterError when no worker is reachable for
+        `worker_timeout_seconds` (TensorFlow would wait an hour for one to come back)."""
+        outcome = {}
+
+        def call():
+            try:
+                outcome["value"] = blocking_call()
+            except BaseException as error:  # Raised again in the caller's thread.
+                outcome["error"] = error
+
+        waiter = threading.Thread(target=call, daemon=True)
+        waiter.start()
+        workers = self.cluster_config.cluster["worker"]
+        last_seen = time.monotonic()
+        while True:
+            waiter.join(_HEALTH_POLL_SECONDS)
+            if not waiter.is_alive():
+                break
+            if any(listening(address) for address in workers):
+                last_seen = time.monotonic()
+            elif time.monotonic() - last_seen > self.worker_timeout_seconds:
+                lost = ", ".join(f"worker:{i} ({a})" for i, a in enumerate(workers))
+                raise ClusterError(
+                    f"No worker has been reachable for {self.worker_timeout_seconds:g}s "
+                    f"(lost: {lost}), so the scheduled steps cannot run. Restart the workers "
+                    f"(tfpar launch --max_restarts N restarts them for you) or rerun with a "
+                    f"checkpoint directory to resume; worker_timeout_seconds sets this wait.")
+        if "error" in outcome:
+            with self.ps_failures_explained():
+                raise outcome["error"]
+        return outcome.get("value")
 
     def _step_function(self, step_fn, kind):
         key = (step_fn, kind)
@@ -130,6 +201,39 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
     def ps_failures_explained(self):
         """A context in which a lost ps raises ClusterError, which says what to do."""
         return _PSFailure(self.cluster_config)
+
+
+_HEALTH_POLL_SECONDS = 1.0
+
+
+def _per_worker_datasets(dataset, num_workers, repeat):
+    """`make(worker)`: the dataset `worker` reads (see `per_worker_iterator`)."""
+    if isinstance(dataset, tf.data.Dataset):
+        # Made on the chief, it reaches the workers as its serialized graph.
+        graph = internals.symbol(
+            "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph")(dataset)
+        spec = dataset.element_spec
+        size = int(dataset.cardinality())
+        split = size < 0 or size >= num_workers  # Infinite or unknown sizes split too.
+
+        def make(worker):
+            part = internals.symbol(
+                "tensorflow.python.distribute.coordinator.values.deserialize_dataset_from_graph")(
+                    graph, spec)
+            part = part.shard(num_workers, worker) if split else part
+            return part.repeat() if repeat else part
+    elif callable(dataset):
+        def make(worker):
+            part = dataset(tf.distribute.InputContext(
+                num_input_pipelines=num_workers, input_pipeline_id=worker))
+            if not isinstance(part, tf.data.Dataset):
+                raise TypeError(f"A dataset function must return a tf.data.Dataset. "
+                                f"Received: {type(part).__name__}")
+            return part.repeat() if repeat else part
+    else:
+        raise TypeError(f"per_worker_iterator takes a tf.data.Dataset or a function of an "
+                        f"InputContext returning one. Received: {type(dataset).__name__}")
+    return make
 
 
 class _PSFailure:

@@ -51,6 +51,12 @@ SYMBOLS = {
     "tensorflow.python.distribute.collective_util.Options": "collective options",
     "tensorflow.python.distribute.coordinator.cluster_coordinator.PSUnavailableError":
         "explain a lost parameter server",
+    "tensorflow.python.distribute.coordinator.values.PerWorkerDistributedIterator":
+        "one iterator per worker, each over its own shard",
+    "tensorflow.python.distribute.coordinator.values.deserialize_dataset_from_graph":
+        "a chief's dataset rebuilt on each worker",
+    "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph":
+        "a chief's dataset sent to each worker",
     "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce": "ring all-reduce",
     "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
     "tensorflow.python.distribute.distribute_lib.UpdateContext": "optimizer updates on a device",
@@ -113,6 +119,8 @@ ATTRIBUTES = {
     "_devices": "MirroredExtended",
     "_device": "OneDeviceExtended",
     "_num_replicas_in_sync": "CollectiveAllReduceExtended",
+    "_cluster": "ClusterCoordinator (its workers)",
+    "_type_spec": "a coordinator RemoteValue (a per-worker iterator's spec)",
 }
 
 MANIFEST = {**SYMBOLS, **ATTRIBUTES}

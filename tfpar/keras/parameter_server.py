@@ -29,6 +29,7 @@ default step here takes gradients of each shard and joins them. A model that
 overrides `train_step` keeps its own step (in async mode).
 """
 
+import collections
 import functools
 
 import numpy as np
@@ -37,6 +38,7 @@ import tensorflow as tf
 
 from tfpar.distribute.ps_sync import SYNC, SyncGradients
 from tfpar.keras import internals
+from tfpar.keras import ps_state
 from tfpar.keras import steps
 
 def patches():
@@ -60,6 +62,7 @@ def patches():
         (optimizer, "add_variable_from_reference", _uncolocated_for_shards),
         (variable, "__array__", _sharded_as_array),
         (optimizer, "_distributed_tf_update_step", _sharded_updates_direct),
+        *ps_state.patches(),
     ]
 
 
@@ -238,16 +241,14 @@ class _Input:
         return self.num_batches
 
     def per_worker(self):
-        """What each worker builds its own repeated copy from."""
-        if self.dataset_fn is not None:
-            fn = self.dataset_fn
-            return lambda: fn(tf.distribute.InputContext()).repeat()
-        return self.dataset.repeat()
+        """What the workers read: the dataset function, else the dataset (split by batch)."""
+        return self.dataset if self.dataset_fn is None else self.dataset_fn
 
 
 def _build(model, dataset):
     with model.distribute_strategy.scope():
         internals.attr(model, "_symbolic_build")(data_batch=dataset.element_spec)
+    ps_state.exclusive_metric_updates(model)
 
 
 def _numbers(logs):
@@ -331,33 +332,44 @@ class _AsyncEpochs:
     def __init__(self, model, data):
         self.model = model
         self.strategy = model.distribute_strategy
-        self.iterator = self.strategy.per_worker_iterator(data.per_worker())
+        self.iterator = self.strategy.per_worker_iterator(data.per_worker(), repeat=True)
         if _overrides_train_step(model):
             self.step = model.train_step
         else:
             self.step = _cached(model, "train", lambda: functools.partial(_train_step, model))
 
     def run(self, steps, callbacks):
-        iterations = self.model.optimizer.iterations
-        expected = int(iterations.numpy())
         per_call = max(1, int(self.model.steps_per_execution))
+        # Batch logs are read from the metrics on the ps after each closure. At most
+        # `_LOG_WINDOW` closures per worker are in flight, so they miss at most those
+        # steps (the documented staleness); a worker never waits for the chief.
+        in_flight = collections.deque()
         for begin in range(0, steps, per_call):
             count = min(per_call, steps - begin)
             callbacks.on_train_batch_begin(begin)
-            self.strategy.schedule_steps(self.step, self.iterator, count)
-            expected += count
-            callbacks.on_train_batch_end(begin + count - 1, {})
+            in_flight.append(self.strategy.schedule_steps(self.step, self.iterator, count))
+            if len(in_flight) > _LOG_WINDOW * self.strategy.num_workers:
+                self.strategy.fetch(in_flight.popleft())
+            callbacks.on_train_batch_end(begin + count - 1,
+                                         _numbers(self.model.get_metrics_result()))
             if self.model.stop_training:
                 break
         self.strategy.join()
-        if int(iterations.numpy()) != expected:
-            iterations.assign(expected)
+
+
+_LOG_WINDOW = 4
 
 
 class _SyncEpochs:
     """The chief splits each batch over the workers; one averaged update per batch."""
 
     def __init__(self, model, data):
+        if int(model.steps_per_execution) != 1:
+            raise ValueError(
+                f"steps_per_execution={model.steps_per_execution} cannot be honoured in "
+                f"sync mode: the chief splits each batch over the workers and waits for "
+                f"them, one step at a time. Compile with steps_per_execution=1, or use "
+                f"mode='async' (where it sets the steps of one closure).")
         self.model = model
         self.strategy = model.distribute_strategy
         self.parts = self.strategy.num_workers
@@ -392,7 +404,7 @@ class _SyncEpochs:
             self.strategy.join()
             self.strategy.schedule_on(self._apply_step(len(sizes)), tf.constant(total))
             self.strategy.join()
-            callbacks.on_train_batch_end(step, {})
+            callbacks.on_train_batch_end(step, _numbers(self.model.get_metrics_result()))
             if self.model.stop_training:
                 break
 
