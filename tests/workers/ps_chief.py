@@ -184,6 +184,46 @@ def run_sync(strategy, result):
         float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), local.get_weights()))
     result["moved"] = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), initial))
 
+    # Every loss reduction, with sample or class weights, a masked loss and a regularizer,
+    # on batches that split 8 + 7 and 6 + 6: one device on the combined batch.
+    def make_case(scope_strategy, reduction, masked):
+        keras.utils.set_random_seed(0)
+        with scope_strategy.scope():
+            inputs = keras.Input((3,), dtype="int32")
+            hidden = keras.layers.Embedding(64, 8, mask_zero=masked)(inputs)
+            if not masked:
+                hidden = keras.layers.Flatten()(hidden)
+            outputs = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.01))(
+                hidden)
+            case = keras.Model(inputs, outputs)
+            case.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction=reduction), metrics=["accuracy"])
+        return case
+
+    weights = rng.uniform(0.1, 2.0, len(x)).astype("float32")
+    tokens = np.where(rng.uniform(size=x.shape) < 0.3, 0, x)  # 0 is masked
+    cases = {"sum, sample weights": ("sum", False, dict(sample_weight=weights)),
+             "mean_with_sample_weight": ("mean_with_sample_weight", False,
+                                         dict(sample_weight=weights)),
+             "class weights": ("sum_over_batch_size", False,
+                               dict(class_weight={0: 0.2, 1: 1.0, 2: 3.0})),
+             "masked, sample weights": ("mean_with_sample_weight", True,
+                                        dict(sample_weight=np.stack([weights] * 3, 1)))}
+    result["cases"] = {}
+    for name, (reduction, masked, weighting) in cases.items():
+        inputs, targets = (tokens, np.stack([y] * 3, 1)) if masked else (x, y)
+        trained = []
+        for scope_strategy in (strategy, tf.distribute.get_strategy()):
+            case = make_case(scope_strategy, reduction, masked)
+            history = case.fit(inputs, targets, batch_size=15, epochs=2, shuffle=False,
+                               verbose=0, **weighting)
+            trained.append((case.get_weights(), history.history))
+        (remote, remote_history), (local_weights, local_history) = trained
+        result["cases"][name] = {
+            "weight_difference": max(float(np.abs(a - b).max())
+                                     for a, b in zip(remote, local_weights)),
+            "history": remote_history, "local_history": local_history}
+
     # Round trip through a weights file, and loading on one device.
     path = os.path.join(FLAGS.out, "sync.weights.h5")
     trained = model.get_weights()

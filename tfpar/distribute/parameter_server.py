@@ -26,7 +26,7 @@ from tfpar.keras import internals
 from tfpar.cluster.probe import listening, unreachable_tasks
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.distribute.cluster import cluster_config
-from tfpar.distribute.ps_sync import ASYNC, MODES
+from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC
 from tfpar.errors import ClusterError
 
 
@@ -86,6 +86,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._step_functions = {}
         keras_hooks.install_parameter_server_training()
+        if mode == SYNC:  # Parts of a batch: losses divided by the whole batch's counts.
+            keras_hooks.install_exact_replicas()
 
     @property
     def num_workers(self):

@@ -35,6 +35,7 @@ SYMBOLS = {
     "keras.src.losses.loss.apply_mask": "weights of masked losses",
     "keras.src.losses.loss.squeeze_or_expand_to_same_rank": "weights of losses",
     "keras.src.losses.loss.unscale_loss_for_distribution": "the loss tracker's value",
+    "keras.src.losses.loss.scale_loss_for_distribution": "losses added in call, in batch parts",
     "keras.src.models.functional.Functional": "cut functional models into stages",
     "keras.src.models.functional.operation_fn": "run one node of a functional graph",
     "keras.src.models.functional.unpack_singleton": "a functional model's outputs",

@@ -38,7 +38,9 @@ import tensorflow as tf
 
 from tfpar.distribute.ps_sync import SYNC, SyncGradients
 from tfpar.keras import internals
+from tfpar.keras import losses
 from tfpar.keras import ps_state
+from tfpar.keras import replicas
 from tfpar.keras import steps
 
 def patches():
@@ -376,37 +378,76 @@ class _SyncEpochs:
         self.iterator = iter(data.dataset.repeat())
         self.gradients = _cached(model, ("sync", self.parts), lambda: SyncGradients(
             self.strategy, model.trainable_weights, self.parts))
+        self._found = _cached(model, ("sync traced", self.parts), dict)
 
     # Steps are cached on the model (like the gradient slots), so a second fit reuses
     # the traced functions instead of tracing new ones.
-    def _part_step(self, part):
-        model, gradients = self.model, self.gradients
+    def _count_step(self, part):
+        """Part `part`'s forward pass that only records its loss counts (nothing is updated)."""
+        model, gradients, found = self.model, self.gradients, self._found
 
-        def step(data):
-            gradients.store(part, _forward_backward(model, data), steps.batch_size(data))
-        return _cached(model, ("sync_part", self.parts, part), lambda: step)
+        def step(data, total):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            # Stateless: what the forward pass would update (BatchNorm, metrics) is dropped.
+            current = [(v, tf.convert_to_tensor(v)) for v in model.variables]
+            with replicas.batch_part(_fraction(x, total)) as counting, \
+                    keras.StatelessScope(state_mapping=current):
+                y_pred = steps.call_model(model, x, training=True)
+                internals.attr(model, "_compute_loss")(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+            found["dynamic counts"] = counting.dynamic  # Known once traced.
+            gradients.store_counts(part, counting.counts)
+        return _cached(model, ("sync_count", self.parts, part), lambda: step)
+
+    def _part_step(self, part, num_parts):
+        model, gradients = self.model, self.gradients
+        custom = losses.has_custom_compute_loss(model)
+
+        def step(data, total):
+            fraction = _fraction(data, total)
+            if custom:  # Its loss is the part's own: weighed by the part's examples.
+                part_gradients = [g * tf.cast(fraction, g.dtype)
+                                  for g in _forward_backward(model, data)]
+            else:
+                with replicas.batch_part(fraction, gradients.global_counts(num_parts)):
+                    part_gradients = _forward_backward(model, data)
+            gradients.store(part, part_gradients)
+        return _cached(model, ("sync_part", self.parts, part, num_parts), lambda: step)
 
     def _apply_step(self, num_parts):
         model, gradients = self.model, self.gradients
 
-        def step(total):
-            model.optimizer.apply(gradients.mean(num_parts, total), model.trainable_weights)
+        def step():
+            model.optimizer.apply(gradients.sum(num_parts), model.trainable_weights)
         return _cached(model, ("sync_apply", self.parts, num_parts), lambda: step)
 
     def run(self, steps, callbacks):
         for step in range(steps):
             callbacks.on_train_batch_begin(step)
             batch = next(self.iterator)
-            total = int(keras.tree.flatten(batch)[0].shape[0])
-            sizes = [s for s in _split_sizes(total, self.parts) if s]
-            for part, piece in enumerate(_split(batch, sizes)):
-                self.strategy.schedule_on(self._part_step(part), piece)
+            total = tf.constant(int(keras.tree.flatten(batch)[0].shape[0]), tf.float32)
+            sizes = [s for s in _split_sizes(int(total), self.parts) if s]
+            pieces = _split(batch, sizes)
+            # Masked losses and sample-weighted means are divided by the whole batch's
+            # count, which the parts count first (a forward pass each); a model without
+            # them skips this after its first step.
+            if self._found.get("dynamic counts", True):
+                for part, piece in enumerate(pieces):
+                    self.strategy.schedule_on(self._count_step(part), piece, total)
+                self.strategy.join()
+            for part, piece in enumerate(pieces):
+                self.strategy.schedule_on(self._part_step(part, len(pieces)), piece, total)
             self.strategy.join()
-            self.strategy.schedule_on(self._apply_step(len(sizes)), tf.constant(total))
+            self.strategy.schedule_on(self._apply_step(len(pieces)))
             self.strategy.join()
             callbacks.on_train_batch_end(step, _numbers(self.model.get_metrics_result()))
             if self.model.stop_training:
                 break
+
+
+def _fraction(data, total):
+    """A part's share of its batch's `total` examples."""
+    return tf.cast(steps.batch_size(data), tf.float32) / total
 
 
 def _split(batch, sizes):

@@ -79,10 +79,79 @@ def own_loss_normalization():
         _local.suspended = previous
 
 
+class _ReplicaSums:
+    """Global counts and losses of replicas in sync: all-reduced sums (data parallelism)."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def global_count(self, count, dynamic):
+        return self._context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(count, tf.float32))
+
+    def reported(self, value):
+        return self._context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
+class _BatchPart:
+    """One part of a batch whose parts run apart, their gradients summed afterwards
+    (parameter-server sync mode); `fraction` is the part's share of the examples.
+
+    Counting (`global_counts` None), it records the count of each mean-reduced loss.
+    Training, a loss with a *dynamic* count (masked, or weighted by sample weights) is
+    divided by `global_counts[i]`, the sum of the parts' recorded counts; any other count
+    is proportional to the examples, so the global one is `count / fraction`.
+    """
+
+    def __init__(self, fraction, global_counts):
+        self.fraction = fraction
+        self.global_counts = global_counts
+        self.counts = []
+        self.dynamic = False
+
+    def global_count(self, count, dynamic):
+        index = len(self.counts)
+        self.counts.append(tf.cast(count, tf.float32))
+        self.dynamic = self.dynamic or dynamic
+        if self.global_counts is None:
+            return count
+        if dynamic:
+            return self.global_counts[index]
+        return tf.cast(count, tf.float32) / tf.cast(self.fraction, tf.float32)
+
+    def reported(self, value):
+        # The loss tracker weighs each part by its examples: share / fraction, weighted
+        # by the examples, adds up to the sum of the shares, the batch's loss.
+        return value / tf.cast(self.fraction, value.dtype)
+
+    def additional(self, value):
+        # Losses added in call or by regularizers: each part adds its own, weighed by its
+        # share of the examples (their mean over the parts, as across replicas).
+        return value * tf.cast(self.fraction, value.dtype)
+
+
+@contextlib.contextmanager
+def batch_part(fraction, global_counts=None):
+    """Losses computed meanwhile, in this thread, are one part's share of its batch's loss
+    (see `_BatchPart`); yields the part, whose `counts` a counting pass stores."""
+    part = _BatchPart(fraction, global_counts)
+    previous = getattr(_local, "part", None)
+    _local.part = part
+    try:
+        yield part
+    finally:
+        _local.part = previous
+
+
 def _normalizing_context():
-    """The replica context in which tfpar normalizes losses globally, or None (also while a
-    step weighs its parts itself: `own_loss_normalization`)."""
-    return None if getattr(_local, "suspended", False) else _replica_context()
+    """What tfpar normalizes losses globally with: a batch part, or the replicas; None
+    outside them (also while a step weighs its parts itself: `own_loss_normalization`)."""
+    if getattr(_local, "suspended", False):
+        return None
+    part = getattr(_local, "part", None)
+    if part is not None:
+        return part
+    context = _replica_context()
+    return None if context is None else _ReplicaSums(context)
 
 
 def call_losses(layer):
@@ -121,14 +190,15 @@ def _global_mean(keras_reduce):
             values = values * weights
         total = tf.reduce_sum(values)
         if reduction == "mean_with_sample_weight" and weights is not None:
-            count = tf.reduce_sum(weights)
+            count, dynamic = tf.reduce_sum(weights), True
         elif mask is not None:
             mask = tf.cast(mask, values.dtype)
             count = tf.reduce_sum(mask) * tf.cast(tf.size(values), values.dtype) / tf.cast(
                 tf.size(mask), values.dtype)
+            dynamic = True
         else:
-            count = tf.cast(tf.size(values), values.dtype)
-        count = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(count, tf.float32))
+            count, dynamic = tf.cast(tf.size(values), values.dtype), False
+        count = context.global_count(count, dynamic)
         return tf.math.divide_no_nan(total, tf.cast(count, total.dtype))
 
     return reduce_weighted_values
@@ -185,9 +255,22 @@ def _summed_over_replicas(keras_unscale):
         context = _normalizing_context()
         if context is None:
             return keras_unscale(value)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+        return context.reported(value)
 
     return unscale_loss_for_distribution
+
+
+def _part_of_additional_losses(keras_scale):
+    """`scale_loss_for_distribution` of losses added in call, for a batch part."""
+
+    @functools.wraps(keras_scale)
+    def scale_loss_for_distribution(value):
+        part = _normalizing_context()
+        if not isinstance(part, _BatchPart):
+            return keras_scale(value)
+        return part.additional(value)
+
+    return scale_loss_for_distribution
 
 
 def _mean_aggregated_statistics(build):
@@ -343,6 +426,7 @@ def patches():
         (trainer, "_make_function", _refused_before_the_first_step),
         (loss_module, "reduce_weighted_values", _global_mean),
         (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
+        (loss_module, "scale_loss_for_distribution", _part_of_additional_losses),
         (keras.layers.BatchNormalization, "build", _mean_aggregated_statistics),
         (keras.layers.Layer, "add_loss", _add_loss_per_replica),
         (keras.layers.Layer, "_get_own_losses", _own_losses_per_replica),
