@@ -164,12 +164,15 @@ def test_sync_mode_equals_one_device_on_the_combined_batch(sync_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["sum, sample weights", "mean_with_sample_weight",
-                                  "class weights", "masked, sample weights"])
+                                  "class weights", "masked, sample weights", "batch norm"])
 def test_sync_mode_equals_one_device_for_every_loss_reduction(sync_run, case):
     """Parts were weighted by example count: measured before, `sum` weights 7.7 off (about
-    1/W of the gradient), sample-weighted means 5e-2 off, a masked loss 5e-2 off."""
+    1/W of the gradient), sample-weighted means 5e-2 off, a masked loss 5e-2 off; and
+    BatchNorm moved its statistics once per part (the weights include them)."""
     result = sync_run[0]["cases"][case]
     assert result["weight_difference"] < 2e-5, result
+    if case == "batch norm":
+        return  # Each part normalizes by its own moments (the README's table says so).
     for name, values in result["history"].items():
         assert values == pytest.approx(result["local_history"][name], rel=1e-5), name
 

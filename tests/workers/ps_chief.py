@@ -186,23 +186,29 @@ def run_sync(strategy, result):
 
     # Every loss reduction, with sample or class weights, a masked loss and a regularizer,
     # on batches that split 8 + 7 and 6 + 6: one device on the combined batch.
-    def make_case(scope_strategy, reduction, masked):
+    def make_case(scope_strategy, reduction, masked, batch_norm):
         keras.utils.set_random_seed(0)
         with scope_strategy.scope():
             inputs = keras.Input((3,), dtype="int32")
             hidden = keras.layers.Embedding(64, 8, mask_zero=masked)(inputs)
             if not masked:
                 hidden = keras.layers.Flatten()(hidden)
+            if batch_norm:
+                hidden = keras.layers.BatchNormalization(momentum=0.8)(hidden)
             outputs = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.01))(
                 hidden)
             case = keras.Model(inputs, outputs)
-            case.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(
+            # Each part normalizes by its own batch moments (as each replica does), so
+            # with BatchNorm only its statistics are compared: a learning rate of 0.
+            case.compile(keras.optimizers.SGD(0.0 if batch_norm else 0.5),
+                         keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, reduction=reduction), metrics=["accuracy"])
         return case
 
     weights = rng.uniform(0.1, 2.0, len(x)).astype("float32")
     tokens = np.where(rng.uniform(size=x.shape) < 0.3, 0, x)  # 0 is masked
     cases = {"sum, sample weights": ("sum", False, dict(sample_weight=weights)),
+             "batch norm": ("sum_over_batch_size", False, {}),
              "mean_with_sample_weight": ("mean_with_sample_weight", False,
                                          dict(sample_weight=weights)),
              "class weights": ("sum_over_batch_size", False,
@@ -214,7 +220,7 @@ def run_sync(strategy, result):
         inputs, targets = (tokens, np.stack([y] * 3, 1)) if masked else (x, y)
         trained = []
         for scope_strategy in (strategy, tf.distribute.get_strategy()):
-            case = make_case(scope_strategy, reduction, masked)
+            case = make_case(scope_strategy, reduction, masked, name == "batch norm")
             history = case.fit(inputs, targets, batch_size=15, epochs=2, shuffle=False,
                                verbose=0, **weighting)
             trained.append((case.get_weights(), history.history))

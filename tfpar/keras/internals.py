@@ -121,6 +121,7 @@ ATTRIBUTES = {
     "_device": "OneDeviceExtended",
     "_num_replicas_in_sync": "CollectiveAllReduceExtended",
     "_cluster": "ClusterCoordinator (its workers)",
+    "_moments": "keras.layers.BatchNormalization (a sync part's batch moments)",
     "_type_spec": "a coordinator RemoteValue (a per-worker iterator's spec)",
 }
 

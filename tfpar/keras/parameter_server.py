@@ -379,6 +379,8 @@ class _SyncEpochs:
         self.gradients = _cached(model, ("sync", self.parts), lambda: SyncGradients(
             self.strategy, model.trainable_weights, self.parts))
         self._found = _cached(model, ("sync traced", self.parts), dict)
+        self.batch_norm = _cached(model, ("sync batch norm", self.parts), lambda: (
+            ps_state.BatchNormParts(self.strategy, model, self.parts)))
 
     # Steps are cached on the model (like the gradient slots), so a second fit reuses
     # the traced functions instead of tracing new ones.
@@ -400,25 +402,27 @@ class _SyncEpochs:
         return _cached(model, ("sync_count", self.parts, part), lambda: step)
 
     def _part_step(self, part, num_parts):
-        model, gradients = self.model, self.gradients
+        model, gradients, batch_norm = self.model, self.gradients, self.batch_norm
         custom = losses.has_custom_compute_loss(model)
 
         def step(data, total):
             fraction = _fraction(data, total)
-            if custom:  # Its loss is the part's own: weighed by the part's examples.
-                part_gradients = [g * tf.cast(fraction, g.dtype)
-                                  for g in _forward_backward(model, data)]
-            else:
-                with replicas.batch_part(fraction, gradients.global_counts(num_parts)):
-                    part_gradients = _forward_backward(model, data)
+            with batch_norm.recording(part):
+                if custom:  # Its loss is the part's own: weighed by the part's examples.
+                    part_gradients = [g * tf.cast(fraction, g.dtype)
+                                      for g in _forward_backward(model, data)]
+                else:
+                    with replicas.batch_part(fraction, gradients.global_counts(num_parts)):
+                        part_gradients = _forward_backward(model, data)
             gradients.store(part, part_gradients)
         return _cached(model, ("sync_part", self.parts, part, num_parts), lambda: step)
 
     def _apply_step(self, num_parts):
-        model, gradients = self.model, self.gradients
+        model, gradients, batch_norm = self.model, self.gradients, self.batch_norm
 
         def step():
             model.optimizer.apply(gradients.sum(num_parts), model.trainable_weights)
+            batch_norm.apply(num_parts)
         return _cached(model, ("sync_apply", self.parts, num_parts), lambda: step)
 
     def run(self, steps, callbacks):

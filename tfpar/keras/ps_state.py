@@ -16,9 +16,12 @@ Held only around the update itself (a metric's `update_state`, BatchNorm's train
 call, the loss-scale optimizer's `apply`), not around the whole step.
 """
 
+import contextlib
 import functools
+import threading
 import weakref
 
+import keras
 import tensorflow as tf
 
 from tfpar.keras import internals
@@ -103,9 +106,8 @@ def exclusive_metric_updates(model):
 
 def patches():
     """(owner, attribute, wrap) for `tfpar.keras.hooks`: the class-level updates."""
-    import keras
-
     return [(keras.layers.BatchNormalization, "call", _exclusive_batch_norm),
+            (keras.layers.BatchNormalization, "_moments", _recorded_moments),
             (keras.optimizers.LossScaleOptimizer, "apply", _exclusive_loss_scale)]
 
 
@@ -114,9 +116,86 @@ def _exclusive_batch_norm(keras_call):
     def call(self, inputs, training=None, mask=None):
         if not (training and self.trainable):
             return keras_call(self, inputs, training=training, mask=mask)
+        recorded = getattr(_sync_part, "moments", None)
+        if recorded is not None:
+            # A part of a sync step: its moments are kept, its own update dropped.
+            moving = [self.moving_mean, self.moving_variance]
+            with keras.StatelessScope(state_mapping=[(v, tf.convert_to_tensor(v))
+                                                     for v in moving]):
+                return keras_call(self, inputs, training=training, mask=mask)
         return exclusively(self, lambda: self.non_trainable_variables,
                            lambda: keras_call(self, inputs, training=training, mask=mask))
     return call
+
+
+def _recorded_moments(keras_moments):
+    @functools.wraps(keras_moments)
+    def moments(self, inputs, mask):
+        mean, variance = keras_moments(self, inputs, mask)
+        recorded = getattr(_sync_part, "moments", None)
+        if recorded is not None:
+            weights = tf.ones(()) if mask is None else tf.cast(mask, tf.float32)
+            count = (tf.reduce_sum(weights) * tf.cast(tf.size(inputs), tf.float32)
+                     / tf.cast(tf.size(weights) * tf.size(mean), tf.float32))
+            recorded[id(self)] = (tf.reshape(tf.cast(mean, tf.float32), [-1]),
+                                  tf.reshape(tf.cast(variance, tf.float32), [-1]), count)
+        return mean, variance
+    return moments
+
+
+_sync_part = threading.local()
+
+
+class BatchNormParts:
+    """BatchNorm in a sync step split over workers: each part keeps its batch moments
+    on the ps, and the apply step moves the statistics once, by the whole batch's:
+
+        parts with n_k examples, means m_k, variances v_k; n = sum n_k
+        mean = sum n_k m_k / n,  variance = sum n_k (v_k + m_k^2) / n - mean^2
+    """
+
+    def __init__(self, strategy, model, num_parts):
+        import keras
+
+        self.layers = [layer for layer in internals.attr(model, "_flatten_layers")()
+                       if isinstance(layer, keras.layers.BatchNormalization)]
+        renorm = [layer.name for layer in self.layers if layer.renorm]
+        if renorm:
+            raise ValueError(f"BatchNormalization with renorm=True cannot be split over "
+                             f"workers in sync mode ({', '.join(renorm)}); use mode='async' "
+                             f"or renorm=False.")
+        with strategy.scope():
+            self.slots = {id(layer): [
+                [tf.Variable(tf.zeros(size), trainable=False, name=f"sync_moments_{k}")
+                 for size in (layer.moving_mean.shape, layer.moving_mean.shape, ())]
+                for k in range(num_parts)] for layer in self.layers}
+
+    @contextlib.contextmanager
+    def recording(self, part):
+        """Meanwhile (in this thread), BatchNorm keeps part `part`'s moments."""
+        _sync_part.moments = {}
+        try:
+            yield
+            for layer_id, (mean, variance, count) in _sync_part.moments.items():
+                for slot, value in zip(self.slots[layer_id][part], (mean, variance, count)):
+                    slot.assign(tf.reshape(value, slot.shape))
+        finally:
+            _sync_part.moments = None
+
+    def apply(self, num_parts):
+        """Moves each BatchNorm's statistics once, by the moments of parts 0..num_parts-1."""
+        for layer in self.layers:
+            parts = self.slots[id(layer)][:num_parts]
+            counts = [tf.convert_to_tensor(c) for _, _, c in parts]
+            total = tf.add_n(counts)
+            mean = tf.add_n([n * tf.convert_to_tensor(m) for (m, _, _), n in zip(parts, counts)])
+            mean = mean / total
+            second = tf.add_n([n * (tf.convert_to_tensor(v) + tf.square(tf.convert_to_tensor(m)))
+                               for (m, v, _), n in zip(parts, counts)]) / total
+            variance = second - tf.square(mean)
+            for moving, batch in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+                batch = tf.reshape(tf.cast(batch, moving.dtype), moving.shape)
+                moving.assign(moving * layer.momentum + batch * (1.0 - layer.momentum))
 
 
 def _exclusive_loss_scale(keras_apply):
