@@ -46,7 +46,8 @@ def _objects():
     model_objects = [optimizer, functional, functional.layers[1], functional._compile_loss, sequential,
                      hidden, functional.weights[0], functional.weights[0]._value, mirrored,
                      mirrored._values[0].handle, strategy.extended,
-                     tf.distribute.OneDeviceStrategy("/cpu:0").extended]
+                     tf.distribute.OneDeviceStrategy("/cpu:0").extended,
+                     keras.layers.BatchNormalization()]
     return model_objects
 
 
