@@ -135,8 +135,9 @@ def test_batch_callbacks_get_real_logs(exact_run):
     logs = result["batch_logs"]
     assert len(logs) == 2 * 100 // 5  # One per closure of steps_per_execution=5 steps.
     assert all(sorted(l) == ["accuracy", "auc", "loss", "precision", "recall"] for l in logs)
-    # Read from the ps while workers run: the last ones have seen steps (bounded staleness).
-    assert logs[-1]["loss"] == pytest.approx(result["exact_local_history"]["loss"][-1], rel=1e-3)
+    # Read from the ps while workers run (a read may fall between a step's updates of
+    # total and count): every step's loss is the same here, so each log is close to it.
+    assert logs[-1]["loss"] == pytest.approx(result["exact_local_history"]["loss"][-1], rel=0.05)
     # TerminateOnNaN stops a fit whose loss is NaN within a few closures, not 200 steps.
     assert 1 <= result["nan_iterations"] <= 1 + 4 * 2 + 1
 
@@ -346,6 +347,22 @@ def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
     out = "\n".join(l for l in result.stdout.splitlines() if l.startswith("[chief:0]"))
     assert re.findall(r"Epoch (\d)/4", out) == ["3", "4"], out[-4000:]
     assert re.search(r"final: loss=[\d.]+ accuracy=0\.9", out), out[-2000:]
+
+
+@pytest.mark.slow
+def test_through_the_data_service_every_epoch_reads_each_batch_exactly_once(tmp_path):
+    """`tfpar launch --data_service` starts a tf.data service, which the strategy reads
+    through by itself. Without it each worker reads its own shard; with it, one pass per
+    epoch hands each batch to one worker (before: a closure that met the end of the pass
+    failed with OutOfRange, and batches fetched ahead were lost)."""
+    command = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--data_service",
+               "--", sys.executable, CHIEF, "--scenario=data_service", f"--out={tmp_path}"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["data_service"].startswith("grpc://127.0.0.1:")
+    assert result["seen_counts"] == [3] * 20  # 3 epochs of the same 20 batches.
 
 
 @pytest.mark.slow

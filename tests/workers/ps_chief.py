@@ -18,6 +18,8 @@ Scenarios (each needs its own cluster: a process joins one cluster, once):
           the ps (prints "PS FIT STARTED").
   no_workers  1 worker, 1 ps: a long fit during which the test kills the only
           worker (prints "FIT STARTED").
+  data_service  under `tfpar launch --data_service`: async fit reading through the
+          tf.data service, which batches each worker saw.
 """
 
 import json
@@ -30,7 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scenario", "async", ["async", "sync", "exact", "faults", "no_workers"],
+flags.DEFINE_enum("scenario", "async",
+                  ["async", "sync", "exact", "faults", "no_workers", "data_service"],
                   "What to run.")
 flags.DEFINE_string("out", None, "Directory for result.json.")
 
@@ -310,6 +313,25 @@ def run_exact(strategy, result):
     keras.mixed_precision.set_global_policy("float32")
 
     # Which batches an epoch reads: each worker its own shard, not all of them the same.
+    result["seen_counts"] = _batches_seen(strategy, epochs=1)
+
+    # TerminateOnNaN sees the batch logs.
+    with strategy.scope():
+        nan_model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        nan_model.compile("sgd", "mse")
+    nan_data = tf.data.Dataset.from_tensors(
+        (np.full((4, 1), np.nan, "float32"), np.zeros((4, 1), "float32"))).repeat()
+    nan_model.fit(nan_data, steps_per_epoch=200, epochs=1, verbose=0,
+                  callbacks=[keras.callbacks.TerminateOnNaN()])
+    result["nan_iterations"] = int(nan_model.optimizer.iterations.numpy())
+
+
+def _batches_seen(strategy, epochs):
+    """How often async fit read each of 20 batches (counted by a metric on the ps)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
     class Seen(keras.metrics.Metric):
         def __init__(self, batches):
             super().__init__(name="seen")
@@ -328,18 +350,16 @@ def run_exact(strategy, result):
         counter = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         counter.compile(keras.optimizers.SGD(0.0), "mse", metrics=[seen], steps_per_execution=10)
     batch_ids = np.repeat(np.arange(20), 8).astype("float32")[:, None]
-    counter.fit(batch_ids, batch_ids, batch_size=8, shuffle=False, epochs=1, verbose=0)
-    result["seen_counts"] = [int(c) for c in seen.counts.numpy() / 8]
+    counts = np.zeros(20)
+    for _ in range(epochs):  # fit resets the metric each epoch
+        counter.fit(batch_ids, batch_ids, batch_size=8, shuffle=False, epochs=1, verbose=0)
+        counts += seen.counts.numpy() / 8
+    return [int(c) for c in counts]
 
-    # TerminateOnNaN sees the batch logs.
-    with strategy.scope():
-        nan_model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
-        nan_model.compile("sgd", "mse")
-    nan_data = tf.data.Dataset.from_tensors(
-        (np.full((4, 1), np.nan, "float32"), np.zeros((4, 1), "float32"))).repeat()
-    nan_model.fit(nan_data, steps_per_epoch=200, epochs=1, verbose=0,
-                  callbacks=[keras.callbacks.TerminateOnNaN()])
-    result["nan_iterations"] = int(nan_model.optimizer.iterations.numpy())
+
+def run_data_service(strategy, result):
+    result["data_service"] = strategy.data_service
+    result["seen_counts"] = _batches_seen(strategy, epochs=3)
 
 
 def run_faults(strategy, result):
@@ -425,8 +445,8 @@ def main(argv):
         run_no_workers(strategy, result)
     else:
         strategy = tfpar.ParameterServerStrategy()
-        {"async": run_async, "exact": run_exact, "faults": run_faults}[FLAGS.scenario](
-            strategy, result)
+        {"async": run_async, "exact": run_exact, "faults": run_faults,
+         "data_service": run_data_service}[FLAGS.scenario](strategy, result)
     result["strategy"] = repr(strategy)
     _write(result)
     print("DONE", flush=True)

@@ -16,8 +16,10 @@ Modes:
 """
 
 import functools
+import os
 import threading
 import time
+import uuid
 
 import tensorflow as tf
 
@@ -25,6 +27,7 @@ from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.cluster.probe import listening, unreachable_tasks
 from tfpar.cluster.tf_config import check_parameter_server_cluster
+from tfpar.data_service import DATA_SERVICE_ENV
 from tfpar.distribute.cluster import cluster_config
 from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC
 from tfpar.errors import ClusterError
@@ -63,7 +66,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
     _tfpar_parameter_server = True
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, mode=ASYNC,
-                 connect_timeout_seconds=60.0, worker_timeout_seconds=300.0):
+                 connect_timeout_seconds=60.0, worker_timeout_seconds=300.0,
+                 data_service="auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}. "
                              f"Received: mode={mode!r}")
@@ -71,6 +75,12 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
             raise ValueError(f"worker_timeout_seconds must be a number > 0. Received: "
                              f"{worker_timeout_seconds!r}")
         self.worker_timeout_seconds = float(worker_timeout_seconds)
+        if data_service == "auto":
+            data_service = os.environ.get(DATA_SERVICE_ENV) or None
+        if data_service is not None and not (isinstance(data_service, str) and "://" in data_service):
+            raise ValueError(f"data_service must be a tf.data service address like "
+                             f"'grpc://127.0.0.1:5050', 'auto' or None. Received: {data_service!r}")
+        self.data_service = data_service
         config = cluster_config(cluster_resolver)
         check_parameter_server_cluster(config)
         missing = unreachable_tasks(config.cluster, ("worker", "ps"), connect_timeout_seconds)
@@ -113,7 +123,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         workers = internals.attr(self.coordinator, "_cluster").workers
         internals.check([w.worker_index for w in workers] == list(range(len(workers))),
                         "the coordinator's workers, in task order")
-        make = _per_worker_datasets(dataset, len(workers), repeat)
+        make = _per_worker_datasets(dataset, len(workers), repeat, self.data_service)
         iterators = []
         with self.ps_failures_explained():
             for worker in workers:
@@ -130,7 +140,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
                 tuple(iterators))
 
     def schedule_steps(self, step_fn, iterator, num_steps):
-        """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure."""
+        """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure; its
+        value (a RemoteValue) is the number of steps run, fewer if the data ran out."""
         steps = self._step_function(step_fn, "iterator")
         with self.ps_failures_explained():
             return self.coordinator.schedule(steps, args=(iterator, tf.constant(num_steps)))
@@ -189,8 +200,16 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
             if kind == "iterator":
                 @tf.function
                 def steps(iterator, num_steps):
-                    for _ in tf.range(num_steps):
-                        self.run(step_fn, args=(next(iterator),))
+                    # A pass handed out by a tf.data service ends for one worker while
+                    # others still have its last batches: that worker's steps then end.
+                    done = tf.constant(0)
+                    element = iterator.get_next_as_optional()
+                    while done < num_steps and element.has_value():
+                        self.run(step_fn, args=(element.get_value(),))
+                        done += 1
+                        if done < num_steps:
+                            element = iterator.get_next_as_optional()
+                    return done
                 fn = steps
             else:
                 @tf.function
@@ -208,9 +227,22 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
 _HEALTH_POLL_SECONDS = 1.0
 
 
-def _per_worker_datasets(dataset, num_workers, repeat):
+def _per_worker_datasets(dataset, num_workers, repeat, data_service=None):
     """`make(worker)`: the dataset `worker` reads (see `per_worker_iterator`)."""
-    if isinstance(dataset, tf.data.Dataset):
+    if data_service:
+        if not isinstance(dataset, tf.data.Dataset):
+            dataset = dataset(tf.distribute.InputContext())
+        source = dataset.repeat() if repeat else dataset
+        # Registered once; every worker joins the same job, which hands out each element
+        # to exactly one of them ("distributed_epoch").
+        dataset_id = tf.data.experimental.service.register_dataset(data_service, source)
+        job_name = f"tfpar-{uuid.uuid4().hex}"
+
+        def make(worker):
+            return tf.data.experimental.service.from_dataset_id(
+                "distributed_epoch", data_service, dataset_id, element_spec=source.element_spec,
+                job_name=job_name)
+    elif isinstance(dataset, tf.data.Dataset):
         # Made on the chief, it reaches the workers as its serialized graph.
         graph = internals.symbol(
             "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph")(dataset)

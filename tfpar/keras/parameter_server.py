@@ -334,29 +334,53 @@ class _AsyncEpochs:
     def __init__(self, model, data):
         self.model = model
         self.strategy = model.distribute_strategy
-        self.iterator = self.strategy.per_worker_iterator(data.per_worker(), repeat=True)
+        self.data = data
+        # Through a tf.data service, each epoch is one pass that hands every batch to one
+        # worker (a job per epoch); otherwise each worker repeats its own shard.
+        self.per_epoch = self.strategy.data_service is not None
+        if not self.per_epoch:
+            self.iterator = self.strategy.per_worker_iterator(data.per_worker(), repeat=True)
         if _overrides_train_step(model):
             self.step = model.train_step
         else:
             self.step = _cached(model, "train", lambda: functools.partial(_train_step, model))
 
     def run(self, steps, callbacks):
+        if not self.per_epoch:
+            self._schedule(0, steps, callbacks)
+            return
+        # A worker's closure ends early when the pass runs out for it while another
+        # worker still holds batches it fetched ahead: closures are scheduled again for
+        # the steps not run, until all ran or the pass is over (a round runs none).
+        self.iterator = self.strategy.per_worker_iterator(self.data.per_worker())
+        begin = 0
+        while begin < steps and not self.model.stop_training:
+            ran = sum(int(self.strategy.fetch(r))
+                      for r in self._schedule(begin, steps - begin, callbacks))
+            if ran == 0:
+                break
+            begin += ran
+
+    def _schedule(self, begin, steps, callbacks):
+        """Schedules `steps` steps in closures of steps_per_execution; waits for them."""
         per_call = max(1, int(self.model.steps_per_execution))
         # Batch logs are read from the metrics on the ps after each closure. At most
         # `_LOG_WINDOW` closures per worker are in flight, so they miss at most those
         # steps (the documented staleness); a worker never waits for the chief.
-        in_flight = collections.deque()
-        for begin in range(0, steps, per_call):
-            count = min(per_call, steps - begin)
-            callbacks.on_train_batch_begin(begin)
-            in_flight.append(self.strategy.schedule_steps(self.step, self.iterator, count))
+        in_flight, scheduled = collections.deque(), []
+        for first in range(begin, begin + steps, per_call):
+            count = min(per_call, begin + steps - first)
+            callbacks.on_train_batch_begin(first)
+            scheduled.append(self.strategy.schedule_steps(self.step, self.iterator, count))
+            in_flight.append(scheduled[-1])
             if len(in_flight) > _LOG_WINDOW * self.strategy.num_workers:
                 self.strategy.fetch(in_flight.popleft())
-            callbacks.on_train_batch_end(begin + count - 1,
+            callbacks.on_train_batch_end(first + count - 1,
                                          _numbers(self.model.get_metrics_result()))
             if self.model.stop_training:
                 break
         self.strategy.join()
+        return scheduled
 
 
 _LOG_WINDOW = 4
