@@ -365,8 +365,6 @@ def run_data_service(strategy, result):
 def run_faults(strategy, result):
     import keras
 
-    from tfpar.errors import ClusterError
-
     class StepCounter(keras.layers.Layer):
         """Counts training forward passes in a ps variable, apart from the optimizer."""
 
@@ -395,29 +393,26 @@ def run_faults(strategy, result):
     result["forward_passes_after_worker_failure"] = int(counter.count.numpy())
     result["steps_asked"] = 600
     _write(result)
-    print("PS FIT STARTED", flush=True)
-    start = time.monotonic()
-    try:
-        model.fit(train.repeat(), steps_per_epoch=100000, epochs=1, verbose=0)
-    except ClusterError as error:
-        result["ps_error"] = str(error)
-        result["ps_error_seconds"] = time.monotonic() - start
-    print("PS FIT ENDED", flush=True)
+    _fit_until_cluster_error(model, train, result, "PS FIT", "ps_error")
 
 
 def run_no_workers(strategy, result):
+    _fit_until_cluster_error(_spirals_model(strategy), _spirals("train", 32)[0], result,
+                             "FIT", "error")
+
+
+def _fit_until_cluster_error(model, train, result, label, key):
+    """A fit that runs until the test breaks the cluster; records the ClusterError."""
     from tfpar.errors import ClusterError
 
-    model = _spirals_model(strategy)
-    train, _ = _spirals("train", 32)
-    print("FIT STARTED", flush=True)
+    print(f"{label} STARTED", flush=True)
     start = time.monotonic()
     try:
         model.fit(train.repeat(), steps_per_epoch=100000, epochs=1, verbose=0)
     except ClusterError as error:
-        result["error"] = str(error)
-        result["error_seconds"] = time.monotonic() - start
-    print("FIT ENDED", flush=True)
+        result[key] = str(error)
+        result[f"{key}_seconds"] = time.monotonic() - start
+    print(f"{label} ENDED", flush=True)
 
 
 def _write(result):

@@ -4,15 +4,17 @@ The chief runs the program. Variables live on the ps tasks (split over several
 with `variable_partitioner`). Each training call is a closure that TensorFlow's
 `ClusterCoordinator` runs on whichever worker is free; a closure lost with its
 worker is run again elsewhere. tfpar adds what Keras 3 dropped: `model.fit`,
-`evaluate` and `predict` (see `tfpar.keras.parameter_server`), exact step counts, clear errors for
-bad clusters, and a synchronous mode.
+`evaluate` and `predict` (see `tfpar.keras.parameter_server`), state updates that lose
+nothing (`tfpar.keras.ps_state`), a shard of the data per worker or a tf.data service
+pass per epoch, bounded waits for lost workers, clear errors for bad clusters, and a
+synchronous mode.
 
 Modes:
   "async": every worker applies its own gradients to the ps variables, without
     waiting for the others (Hogwild-style; the default).
   "sync": each step's batch is split over the workers; each worker stores its
-    gradients on the ps, where they are averaged and applied once: one device on
-    the combined batch, as in the classic parameter-server design.
+    share of the gradients on the ps, where they are summed and applied once: one
+    device on the combined batch, as in the classic parameter-server design.
 """
 
 import functools

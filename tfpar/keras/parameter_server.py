@@ -5,23 +5,23 @@ the chief, which a ParameterServerStrategy refuses. Under a tfpar
 ParameterServerStrategy the model's `fit`/`evaluate`/`predict` run the loops
 below instead, with Keras' own callbacks, data adapters, metrics and steps.
 
-- Training (async): each worker reads its own copy of the dataset, repeated; the
-  chief schedules `steps_per_execution` steps per closure on whichever worker is
-  free, and waits for all of them at the end of each epoch. Batch-level callbacks
-  get empty logs (waiting for a step's result would make training synchronous);
-  epoch-level logs are exact, read from the metric variables on the ps.
-- Training (sync): the chief reads each batch, splits it over the workers, and
-  each worker's gradients are stored on the ps and averaged there before one
-  update (`SyncGradients`): one device on the combined batch.
+- Training (async): each worker reads its own shard of the dataset, repeated (or, with
+  a tf.data service, one pass per epoch shared by all); the chief schedules
+  `steps_per_execution` steps per closure on whichever worker is free. Batch-level
+  callbacks get logs read from the metrics on the ps, with at most `_LOG_WINDOW`
+  closures per worker in flight (bounded staleness); epoch logs are exact.
+- Training (sync): the chief reads each batch and splits it over the workers; each
+  part's loss is its share of the batch's loss (`tfpar.keras.replicas.batch_part`), its
+  gradients are stored on the ps and summed there before one update (`SyncGradients`):
+  one device on the combined batch. BatchNorm moves once per step (`ps_state`).
 - evaluate / predict: the chief reads the batches and sends each to a free worker,
   so every example is seen exactly once and predictions come back in order.
 
-Exact step counts. Keras' `Variable.assign_add` is `assign(value + delta)`, a
-read-modify-write that loses increments when workers update at once (100 steps
-left `optimizer.iterations` at 73 here). Under these strategies it becomes the
-variable's own atomic `assign_add`. A closure that dies with its worker after
-updating is run again, so after each epoch the chief also sets `iterations` to the
-number of steps it scheduled.
+Exact state. Keras' `Variable.assign_add` is `assign(value + delta)`, a read-modify-write
+that loses increments when workers update at once (100 steps left `optimizer.iterations`
+at 73 here); under these strategies it becomes the variable's own atomic `assign_add`.
+Other read-modify-writes (metrics, BatchNorm, the loss scale) run under a lock on the ps
+(`tfpar.keras.ps_state`).
 
 Variables split over ps tasks (`variable_partitioner`) are `ShardedVariable`s,
 which Keras' `train_step` cannot differentiate (it asks for one handle): the
