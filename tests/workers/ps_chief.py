@@ -217,21 +217,47 @@ def run_sync(strategy, result):
              "class weights": ("sum_over_batch_size", False,
                                dict(class_weight={0: 0.2, 1: 1.0, 2: 3.0})),
              "masked, sample weights": ("mean_with_sample_weight", True,
-                                        dict(sample_weight=np.stack([weights] * 3, 1)))}
+                                        dict(sample_weight=np.stack([weights] * 3, 1))),
+             "mixed_float16": ("sum_over_batch_size", False, {})}
     result["cases"] = {}
     for name, (reduction, masked, weighting) in cases.items():
         inputs, targets = (tokens, np.stack([y] * 3, 1)) if masked else (x, y)
         trained = []
+        # Compiled under mixed_float16, the optimizer is a LossScaleOptimizer.
+        keras.mixed_precision.set_global_policy(
+            "mixed_float16" if name == "mixed_float16" else "float32")
         for scope_strategy in (strategy, tf.distribute.get_strategy()):
             case = make_case(scope_strategy, reduction, masked, name == "batch norm")
             history = case.fit(inputs, targets, batch_size=15, epochs=2, shuffle=False,
                                verbose=0, **weighting)
             trained.append((case.get_weights(), history.history))
+        keras.mixed_precision.set_global_policy("float32")
         (remote, remote_history), (local_weights, local_history) = trained
         result["cases"][name] = {
             "weight_difference": max(float(np.abs(a - b).max())
                                      for a, b in zip(remote, local_weights)),
             "history": remote_history, "local_history": local_history}
+
+    # Compile again: the new optimizer (a learning rate of 0) and metric are the ones used;
+    # steps_per_execution > 1 cannot be honoured in sync mode.
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.0),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.SparseCategoricalAccuracy(name="recompiled")])
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    result["recompile_weight_change"] = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), before))
+    result["recompile_logs"] = sorted(history.history)
+    with strategy.scope():
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=2)
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        result["steps_per_execution_error"] = "ran"
+    except ValueError as error:
+        result["steps_per_execution_error"] = str(error)
+    model.set_weights(before)
 
     # Round trip through a weights file, and loading on one device.
     path = os.path.join(FLAGS.out, "sync.weights.h5")
