@@ -238,7 +238,7 @@ class _Input:
         if self.num_batches is None:
             raise ValueError(
                 f"{argument} is required with tfpar.ParameterServerStrategy when the dataset "
-                f"is infinite or of unknown size (workers read their own copies, so the "
+                f"is infinite or of unknown size (workers read their own shards, so the "
                 f"chief cannot see it end). Pass {argument}=N.")
         return self.num_batches
 
