@@ -330,6 +330,23 @@ def _children_of(parent_pid, job):
     return found
 
 
+def _launch(command):
+    """The launcher running `command`, its output lines as they come, and their reader."""
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    return launcher, lines, reader
+
+
+def _wait_for_line(prefix, launcher, lines, timeout):
+    deadline = time.monotonic() + timeout
+    while not any(line.startswith(prefix) for line in list(lines)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
     # All through the launcher, as a user would run it.
@@ -337,16 +354,9 @@ def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
                sys.executable, "-m", "tfpar.train", "--strategy=ps", "--epochs=4",
                "--verbose=2", f"--model_dir={tmp_path}"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-    reader.start()
+    launcher, lines, reader = _launch(command)
     try:
-        deadline = time.monotonic() + 180
-        while not any(l.startswith("[chief:0] Epoch 3/4") for l in list(lines)):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-            time.sleep(0.2)
+        _wait_for_line("[chief:0] Epoch 3/4", launcher, lines, timeout=180)
         [ps] = _children_of(launcher.pid, "ps")
         killed_at = time.monotonic()
         os.kill(ps, signal.SIGKILL)
@@ -391,16 +401,9 @@ def test_launcher_restarts_a_killed_worker_and_training_goes_on(tmp_path):
     command = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--max_restarts=1",
                "--", sys.executable, "-m", "tfpar.train", "--strategy=ps", "--epochs=4",
                "--verbose=2"]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-    reader.start()
+    launcher, lines, reader = _launch(command)
     try:
-        deadline = time.monotonic() + 180
-        while not any(l.startswith("[chief:0] Epoch 2/4") for l in list(lines)):
-            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-            time.sleep(0.2)
+        _wait_for_line("[chief:0] Epoch 2/4", launcher, lines, timeout=180)
         workers = sorted(_children_of(launcher.pid, "worker"))
         os.kill(workers[-1], signal.SIGKILL)
         assert launcher.wait(timeout=240) == 0, "".join(lines)[-4000:]
