@@ -1,5 +1,6 @@
 """The local cluster launcher: TF_CONFIG per task, prefixes, failure propagation, cleanup."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -129,6 +130,40 @@ def test_ctrl_c_stops_everything():
         time.sleep(0.2)
         assert not [p for p in pids if _alive(p)]
     finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if os.path.exists(pid_file):
+            os.remove(pid_file)
+
+
+def test_tasks_die_with_a_killed_launcher():
+    """SIGKILL (or the OOM killer) gives the launcher no chance to stop its tasks: they ran
+    on, holding their ports (measured: both still running 20 s later)."""
+    code = ("import os, time; open(os.environ['PID_FILE'], 'a').write(f'{os.getpid()}\\n');"
+            "time.sleep(600)")
+    pid_file = f"/tmp/tfpar-launch-kill-test-{os.getpid()}"
+    env = dict(os.environ, PID_FILE=pid_file)
+    launcher = subprocess.Popen([PY, "-m", "tfpar.launch", "--workers=2", "--", PY, "-c", code],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    pids = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if os.path.exists(pid_file) and len(open(pid_file).read().split()) == 2:
+                break
+            time.sleep(0.1)
+        pids = [int(p) for p in open(pid_file).read().split()]
+        assert len(pids) == 2
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        for pid in pids:  # Only what this test's launcher started.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
         if os.path.exists(pid_file):

@@ -19,6 +19,7 @@ Two options:
 """
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -56,6 +57,22 @@ def make_cluster(workers, ps=0, host="127.0.0.1"):
     return {job: tuple(f"{host}:{next(ports)}" for _ in range(n)) for job, n in jobs}
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent():
+    """In the child before exec: SIGKILL when the launcher thread that started it dies.
+
+    Linux only (prctl); elsewhere tasks outlive a killed launcher. Only the task's own
+    process gets the signal: what it started itself is in its session, which `stop`
+    signals as a whole when the launcher ends normally.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Task:
     """One started process of the cluster.
 
@@ -73,9 +90,11 @@ class Task:
         self.restarts = 0  # How many times this task was started again before this process.
         self._output = output
         # Own session: stopping a task stops everything it started, and nothing else.
+        # Killed with the launcher, however it dies (SIGKILL, the OOM killer): a task must
+        # not outlive it holding its ports.
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         self._reader = threading.Thread(target=self._forward, args=(output,), daemon=True)
         self._reader.start()
 
