@@ -110,41 +110,18 @@ def test_after_a_ps_dies_the_chief_gets_time_to_explain(tmp_path):
     assert all(t.process.poll() is not None for t in launcher.tasks)
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_everything():
+@contextlib.contextmanager
+def _two_sleeping_workers(stdout=subprocess.PIPE):
+    """`tfpar launch --workers=2` of a command that sleeps; yields it and its tasks' pids.
+
+    On the way out, the launcher and the tasks it started (only those) are killed.
+    """
     code = ("import os, time; open(os.environ['PID_FILE'], 'a').write(f'{os.getpid()}\\n');"
             "time.sleep(600)")
     pid_file = f"/tmp/tfpar-launch-test-{os.getpid()}"
     env = dict(os.environ, PID_FILE=pid_file)
     launcher = subprocess.Popen([PY, "-m", "tfpar.launch", "--workers=2", "--", PY, "-c", code],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if os.path.exists(pid_file) and len(open(pid_file).read().split()) == 2:
-                break
-            time.sleep(0.1)
-        pids = [int(p) for p in open(pid_file).read().split()]
-        launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=30) == 128 + signal.SIGINT
-        time.sleep(0.2)
-        assert not [p for p in pids if _alive(p)]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        if os.path.exists(pid_file):
-            os.remove(pid_file)
-
-
-def test_tasks_die_with_a_killed_launcher():
-    """SIGKILL (or the OOM killer) gives the launcher no chance to stop its tasks: they ran
-    on, holding their ports (measured: both still running 20 s later)."""
-    code = ("import os, time; open(os.environ['PID_FILE'], 'a').write(f'{os.getpid()}\\n');"
-            "time.sleep(600)")
-    pid_file = f"/tmp/tfpar-launch-kill-test-{os.getpid()}"
-    env = dict(os.environ, PID_FILE=pid_file)
-    launcher = subprocess.Popen([PY, "-m", "tfpar.launch", "--workers=2", "--", PY, "-c", code],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                env=env, stdout=stdout, stderr=subprocess.STDOUT)
     pids = []
     try:
         deadline = time.monotonic() + 30
@@ -152,7 +129,31 @@ def test_tasks_die_with_a_killed_launcher():
             if os.path.exists(pid_file) and len(open(pid_file).read().split()) == 2:
                 break
             time.sleep(0.1)
-        pids = [int(p) for p in open(pid_file).read().split()]
+        pids.extend(int(p) for p in open(pid_file).read().split())
+        yield launcher, pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        if os.path.exists(pid_file):
+            os.remove(pid_file)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_everything():
+    with _two_sleeping_workers() as (launcher, pids):
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 128 + signal.SIGINT
+        time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)]
+
+
+def test_tasks_die_with_a_killed_launcher():
+    """SIGKILL (or the OOM killer) gives the launcher no chance to stop its tasks: they ran
+    on, holding their ports (measured: both still running 20 s later)."""
+    with _two_sleeping_workers(stdout=subprocess.DEVNULL) as (launcher, pids):
         assert len(pids) == 2
         launcher.kill()
         launcher.wait(timeout=10)
@@ -160,14 +161,6 @@ def test_tasks_die_with_a_killed_launcher():
         while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)]
-    finally:
-        for pid in pids:  # Only what this test's launcher started.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        if os.path.exists(pid_file):
-            os.remove(pid_file)
 
 
 def test_launch_without_command_is_an_error():
