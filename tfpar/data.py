@@ -119,3 +119,14 @@ def distribute(strategy, dataset, global_batch_size, shuffle_buffer=0, seed=0,
     """Shards and batches unbatched examples for `strategy`; usable in `model.fit`."""
     return strategy.distribute_datasets_from_function(
         dataset_fn(dataset, global_batch_size, shuffle_buffer, seed, drop_remainder))
+
+
+def dataset_from_function(dataset_fn, input_context):
+    """`dataset_fn(input_context)`, which must be a `tf.data.Dataset` (a clear error if not)."""
+    import tensorflow as tf
+
+    dataset = dataset_fn(input_context)
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(f"A dataset function must return a tf.data.Dataset. "
+                        f"Received: {type(dataset).__name__}")
+    return dataset

@@ -29,6 +29,7 @@ from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.cluster.probe import listening, unreachable_tasks
 from tfpar.cluster.tf_config import check_parameter_server_cluster
+from tfpar.data import dataset_from_function
 from tfpar.data_service import DATA_SERVICE_ENV
 from tfpar.distribute.cluster import cluster_config
 from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC
@@ -233,18 +234,16 @@ def _per_worker_datasets(dataset, num_workers, repeat, data_service=None):
     """`make(worker)`: the dataset `worker` reads (see `per_worker_iterator`)."""
     if data_service:
         if not isinstance(dataset, tf.data.Dataset):
-            dataset = dataset(tf.distribute.InputContext())
+            dataset = dataset_from_function(dataset, tf.distribute.InputContext())
         source = dataset.repeat() if repeat else dataset
         # Registered once; every worker joins the same job, which hands out each element
         # to exactly one of them ("distributed_epoch").
         dataset_id = tf.data.experimental.service.register_dataset(data_service, source)
         job_name = f"tfpar-{uuid.uuid4().hex}"
-
-        def make(worker):
-            return tf.data.experimental.service.from_dataset_id(
-                "distributed_epoch", data_service, dataset_id, element_spec=source.element_spec,
-                job_name=job_name)
-    elif isinstance(dataset, tf.data.Dataset):
+        return lambda worker: tf.data.experimental.service.from_dataset_id(
+            "distributed_epoch", data_service, dataset_id, element_spec=source.element_spec,
+            job_name=job_name)
+    if isinstance(dataset, tf.data.Dataset):
         # Made on the chief, it reaches the workers as its serialized graph.
         graph = internals.symbol(
             "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph")(dataset)
@@ -252,24 +251,19 @@ def _per_worker_datasets(dataset, num_workers, repeat, data_service=None):
         size = int(dataset.cardinality())
         split = size < 0 or size >= num_workers  # Infinite or unknown sizes split too.
 
-        def make(worker):
-            part = internals.symbol(
+        def part(worker):
+            whole = internals.symbol(
                 "tensorflow.python.distribute.coordinator.values.deserialize_dataset_from_graph")(
                     graph, spec)
-            part = part.shard(num_workers, worker) if split else part
-            return part.repeat() if repeat else part
+            return whole.shard(num_workers, worker) if split else whole
     elif callable(dataset):
-        def make(worker):
-            part = dataset(tf.distribute.InputContext(
+        def part(worker):
+            return dataset_from_function(dataset, tf.distribute.InputContext(
                 num_input_pipelines=num_workers, input_pipeline_id=worker))
-            if not isinstance(part, tf.data.Dataset):
-                raise TypeError(f"A dataset function must return a tf.data.Dataset. "
-                                f"Received: {type(part).__name__}")
-            return part.repeat() if repeat else part
     else:
         raise TypeError(f"per_worker_iterator takes a tf.data.Dataset or a function of an "
                         f"InputContext returning one. Received: {type(dataset).__name__}")
-    return make
+    return (lambda worker: part(worker).repeat()) if repeat else part
 
 
 class _PSFailure:

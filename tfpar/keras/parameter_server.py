@@ -36,6 +36,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from tfpar.data import dataset_from_function
 from tfpar.distribute.ps_sync import SYNC, SyncGradients
 from tfpar.keras import internals
 from tfpar.keras import losses
@@ -77,14 +78,10 @@ def _refuse_on_batch(model, *args, name, instead, **kwargs):
         f"batch, run on a worker.")
 
 
-def _uses_parameter_servers(strategy):
-    return getattr(strategy, "_tfpar_parameter_server", False)
-
-
 def _dispatch(keras_method, loop):
     @functools.wraps(keras_method)
     def method(self, *args, **kwargs):
-        if _uses_parameter_servers(self.distribute_strategy):
+        if ps_state.uses_parameter_servers(self.distribute_strategy):
             # The chief also reads and resets ps variables itself (metrics, steps).
             with self.distribute_strategy.ps_failures_explained():
                 return loop(self, *args, **kwargs)
@@ -99,7 +96,7 @@ def _atomic(keras_method, name):
     @functools.wraps(keras_method)
     def method(self, value):
         if (not in_stateless_scope() and tf.distribute.has_strategy()
-                and _uses_parameter_servers(tf.distribute.get_strategy())):
+                and ps_state.uses_parameter_servers(tf.distribute.get_strategy())):
             return getattr(self._value, name)(tf.cast(value, self._value.dtype))
         return keras_method(self, value)
     return method
@@ -214,10 +211,7 @@ class _Input:
                     f"function's dataset must yield them, as (x, y) or (x, y, sample_weight) "
                     f"elements. Received a dataset function and {', '.join(given)}.")
             self.dataset_fn = x
-            self.dataset = x(tf.distribute.InputContext())
-            if not isinstance(self.dataset, tf.data.Dataset):
-                raise TypeError(f"A dataset function must return a tf.data.Dataset. "
-                                f"Received: {type(self.dataset).__name__}")
+            self.dataset = dataset_from_function(x, tf.distribute.InputContext())
             cardinality = int(self.dataset.cardinality())
             self.num_batches = cardinality if cardinality >= 0 else None
         else:
@@ -355,8 +349,8 @@ class _AsyncEpochs:
         self.iterator = self.strategy.per_worker_iterator(self.data.per_worker())
         begin = 0
         while begin < steps and not self.model.stop_training:
-            ran = sum(int(self.strategy.fetch(r))
-                      for r in self._schedule(begin, steps - begin, callbacks))
+            # _schedule joined: the closures' values are there, no wait is left.
+            ran = sum(int(r.fetch()) for r in self._schedule(begin, steps - begin, callbacks))
             if ran == 0:
                 break
             begin += ran
@@ -453,8 +447,9 @@ class _SyncEpochs:
         for step in range(steps):
             callbacks.on_train_batch_begin(step)
             batch = next(self.iterator)
-            total = tf.constant(int(keras.tree.flatten(batch)[0].shape[0]), tf.float32)
-            sizes = [s for s in _split_sizes(int(total), self.parts) if s]
+            size = int(keras.tree.flatten(batch)[0].shape[0])
+            total = tf.constant(size, tf.float32)
+            sizes = [s for s in _split_sizes(size, self.parts) if s]
             pieces = _split(batch, sizes)
             # Masked losses and sample-weighted means are divided by the whole batch's
             # count, which the parts count first (a forward pass each); a model without

@@ -30,12 +30,17 @@ _MUTEXES = weakref.WeakKeyDictionary()
 _RELEASED = weakref.WeakKeyDictionary()  # graph -> the release of its last lock
 
 
+def uses_parameter_servers(strategy):
+    """Whether `strategy` is a tfpar ParameterServerStrategy."""
+    return getattr(strategy, "_tfpar_parameter_server", False)
+
+
 def in_worker_step():
     """Whether this code is being traced into a step that workers of a tfpar
     ParameterServerStrategy run (not the chief's own eager reads and resets)."""
     if tf.executing_eagerly() or not tf.distribute.has_strategy():
         return False
-    if not getattr(tf.distribute.get_strategy(), "_tfpar_parameter_server", False):
+    if not uses_parameter_servers(tf.distribute.get_strategy()):
         return False
     return not internals.symbol(
         "keras.src.backend.common.stateless_scope.in_stateless_scope")()
