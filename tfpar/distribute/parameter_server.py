@@ -98,6 +98,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
                          variable_partitioner=variable_partitioner)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(self)
         self._step_functions = {}
+        self._steps_run = None
         keras_hooks.install_parameter_server_training()
         if mode == SYNC:  # Parts of a batch: losses divided by the whole batch's counts.
             keras_hooks.install_exact_replicas()
@@ -143,8 +144,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
                 tuple(iterators))
 
     def schedule_steps(self, step_fn, iterator, num_steps):
-        """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure; its
-        value (a RemoteValue) is the number of steps run, fewer if the data ran out."""
+        """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure (fewer if
+        the data runs out); `steps_run` counts the steps it ran."""
         steps = self._step_function(step_fn, "iterator")
         with self.ps_failures_explained():
             return self.coordinator.schedule(steps, args=(iterator, tf.constant(num_steps)))
@@ -154,6 +155,17 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         run = self._step_function(step_fn, "args")
         with self.ps_failures_explained():
             return self.coordinator.schedule(run, args=args)
+
+    @property
+    def steps_run(self):
+        """Steps the closures of `schedule_steps` ran, counted on the ps (a count returned
+        by a closure would be copied from its worker, which may be gone by then). Made at
+        the first use, so that it does not shift where the model's variables are placed."""
+        if self._steps_run is None:
+            with self.scope():
+                self._steps_run = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                              name="tfpar_steps_run")
+        return self._steps_run
 
     def join(self):
         """Waits for every scheduled closure; a lost ps, or no worker for
@@ -201,6 +213,8 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         key = (step_fn, kind)
         if key not in self._step_functions:
             if kind == "iterator":
+                steps_run = self.steps_run  # Made here, not while the steps are traced.
+
                 @tf.function
                 def steps(iterator, num_steps):
                     # A pass handed out by a tf.data service ends for one worker while
@@ -212,7 +226,7 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
                         done += 1
                         if done < num_steps:
                             element = iterator.get_next_as_optional()
-                    return done
+                    steps_run.assign_add(tf.cast(done, tf.int64))
                 fn = steps
             else:
                 @tf.function

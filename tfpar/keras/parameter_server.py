@@ -349,24 +349,27 @@ class _AsyncEpochs:
         self.iterator = self.strategy.per_worker_iterator(self.data.per_worker())
         begin = 0
         while begin < steps and not self.model.stop_training:
-            # _schedule joined: the closures' values are there, no wait is left.
-            ran = sum(int(r.fetch()) for r in self._schedule(begin, steps - begin, callbacks))
+            before = int(self.strategy.steps_run.numpy())
+            self._schedule(begin, steps - begin, callbacks)
+            ran = int(self.strategy.steps_run.numpy()) - before
             if ran == 0:
                 break
             begin += ran
 
     def _schedule(self, begin, steps, callbacks):
-        """Schedules `steps` steps in closures of steps_per_execution; waits for them."""
+        """Schedules `steps` steps in closures of steps_per_execution; waits for them.
+
+        Waiting for a closure fetches its value, None: nothing to copy from a worker that
+        has gone since."""
         per_call = max(1, int(self.model.steps_per_execution))
         # Batch logs are read from the metrics on the ps after each closure. At most
         # `_LOG_WINDOW` closures per worker are in flight, so they miss at most those
         # steps (the documented staleness); a worker never waits for the chief.
-        in_flight, scheduled = collections.deque(), []
+        in_flight = collections.deque()
         for first in range(begin, begin + steps, per_call):
             count = min(per_call, begin + steps - first)
             callbacks.on_train_batch_begin(first)
-            scheduled.append(self.strategy.schedule_steps(self.step, self.iterator, count))
-            in_flight.append(scheduled[-1])
+            in_flight.append(self.strategy.schedule_steps(self.step, self.iterator, count))
             if len(in_flight) > _LOG_WINDOW * self.strategy.num_workers:
                 self.strategy.fetch(in_flight.popleft())
             callbacks.on_train_batch_end(first + count - 1,
@@ -374,7 +377,6 @@ class _AsyncEpochs:
             if self.model.stop_training:
                 break
         self.strategy.join()
-        return scheduled
 
 
 _LOG_WINDOW = 4
