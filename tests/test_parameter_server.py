@@ -271,6 +271,15 @@ def test_worker_timeout_must_be_positive():
         tfpar.ParameterServerStrategy(worker_timeout_seconds=0)
 
 
+def test_data_service_must_be_an_address():
+    import tfpar
+
+    with pytest.raises(ValueError, match=r"data_service must be a tf.data service address like "
+                                         r"'grpc://127.0.0.1:5050', 'auto' or None\. "
+                                         r"Received: '127.0.0.1:5050'"):
+        tfpar.ParameterServerStrategy(data_service="127.0.0.1:5050")
+
+
 # -- bad input: fast, no cluster ------------------------------------------------
 
 def test_cluster_without_ps_is_rejected():
