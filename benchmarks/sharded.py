@@ -11,9 +11,10 @@ With --workers 2, each configuration is a 2-worker job (one multi-worker strateg
 process), the jobs alternating round by round.
 
 Goal (issue 14): stage 1 and 2 <= 1.1x, stage 3 <= 1.3x the unsharded step time. On
-these CPUs reduce-scatter is an all-reduce then a slice; stage 3's reads are copies
-between logical devices on one host, and across workers an all-reduce from the owner
-per variable read (and one back per gradient); on GPUs NCCL collectives.
+one host's CPUs gradients are all-reduced (each replica keeps its own) and stage 3's
+reads are copies between logical devices; across workers the reduce-scatter is
+point-to-point sends, and stage 3 broadcasts each variable from its owner where it is
+read and sends each gradient back to the owner alone; on GPUs NCCL collectives.
 """
 
 import json

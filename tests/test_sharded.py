@@ -204,6 +204,43 @@ def test_pairwise_reduce_scatter_sums_each_replicas_part(n):
     assert {tuple(op.inputs[0].shape) for op in sends} == {(2,)}
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_pairwise_reduce_to_owner_sums_on_the_owner_and_sends_once_per_replica(n):
+    """How a stage-3 read's gradient goes back across workers: each other replica sends its
+    gradient to the owner alone, which sums. Run for real on logical CPUs; the non-owners'
+    results are not used, as in a step (their sends must run anyway, or the owner waits
+    until the timeout)."""
+    from tfpar.distribute.sharded import _runs
+
+    strategy = tfpar.DataParallelStrategy(cpus(n))
+    extended = strategy.extended
+    collectives = ShardCollectives(
+        "pairwise", internals.attr(extended, "_collective_keys"), extended.worker_devices,
+        timeout_seconds=30, key_base=strategy._collective_key_base)
+    owner = n - 1
+
+    @tf.function
+    def step():
+        def replica():
+            ctx = tf.distribute.get_replica_context()
+            me = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+            summed = collectives.reduce_to_owner(ctx, tf.fill([5], me + 1.0), owner,
+                                                 tf.zeros([0]))
+            if summed.shape[0] == 0:  # A non-owner: its result is dropped.
+                _runs([summed])
+                return tf.fill([5], -1.0)
+            return summed
+        return strategy.run(replica)
+
+    step()
+    got = [r.numpy() for r in strategy.experimental_local_results(step())]
+    np.testing.assert_allclose(got[owner], np.full(5, sum(range(1, n + 1))))
+    assert all((g == -1).all() for g in got[:owner])
+    sends = [op for op in step.get_concrete_function().graph.get_operations()
+             if op.type == "CollectiveBcastSendV2"]
+    assert len(sends) == n - 1 and {tuple(op.inputs[0].shape) for op in sends} == {(5,)}
+
+
 def test_pairwise_needs_a_group_key_per_pair_and_falls_back_to_all_reduce():
     from tfpar.distribute import group_keys
 

@@ -16,9 +16,10 @@ ratio, per-variable clipping) sees it whole.
   replica reads it where a layer uses it (TensorFlow copies it to the replica's device
   at that point, and frees the copy when the step no longer needs it); the owner alone
   updates it, so nothing is gathered after the update. Across workers a replica cannot
-  read another worker's variable: each read is a collective from the owner, and its
-  gradient is summed back to the owner the same way (`read_parameter`, as FSDP gathers
-  per layer); a worker that owns no part of a variable holds an empty stand-in.
+  read another worker's variable: each read is a broadcast from the owner, and its
+  gradient goes back to the owner alone, which sums (`read_parameter`, as FSDP gathers
+  and reduces per layer); a worker that owns no part of a variable holds an empty
+  stand-in.
 
 Gradients and updated values travel in flat buckets of about `bytes_per_pack` (25 MiB by
 default), the last layers' first: each bucket's reduce-scatter waits only for its own
@@ -205,9 +206,9 @@ def read_parameter(strategy, variable, owner, shape):
     """The full value of a stage-3 variable held by replica `owner`, on any worker.
 
     In a replica of `strategy` (a step): the owner's value, broadcast from the owner; its
-    gradient is all-reduced back, and the owner keeps the sum: the parameter is gathered
-    layer by layer where Keras reads it, and its gradient reduced there too (as FSDP
-    does). Elsewhere (saving, `get_weights`): fetched from the owner,
+    gradient is reduced to the owner (`ShardCollectives.reduce_to_owner`): the parameter
+    is gathered layer by layer where Keras reads it, and its gradient reduced there too
+    (as FSDP does). Elsewhere (saving, `get_weights`): fetched from the owner,
     a collective that every worker makes in the same order.
     """
     ctx = tf.distribute.get_replica_context()
@@ -234,8 +235,8 @@ def read_parameter(strategy, variable, owner, shape):
             ctx, local if mine else None, shape, local.dtype)
 
         def gradient(upstream):
-            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, upstream)
-            return summed if mine else tf.zeros_like(local)
+            return strategy._tfpar_shard_collectives.reduce_to_owner(
+                ctx, upstream, owner, tf.zeros_like(local))
 
         return full, gradient
 
@@ -379,6 +380,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     if strategy._tfpar_gathers_parameters:
         # Each read's gradient was already summed to its owner (`read_parameter`).
         mine = [i for i in range(len(variables)) if owner[i] == me]
+        _runs([g for i, g in enumerate(grads) if owner[i] != me and g is not None])
         _update.running = True
         try:
             _apply_owned(optimizer, [(i, grads[i], variables[i]) for i in mine],
@@ -410,6 +412,16 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                 if stage < 3:
                     _gather_updates(ctx, collectives, local, groups, dtype)
     strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
+
+
+def _runs(tensors):
+    """Makes the step run what computes `tensors` although nothing uses them: a
+    replica's gradients of variables it does not own, which carry its sends to their
+    owners. (TensorFlow's automatic control dependencies keep no collective broadcast
+    whose value is unused: they are "async stateful" ops, pruned like pure ones.)"""
+    if tensors:
+        with tf.control_dependencies(tensors):
+            tf.debugging.Assert(True, ["gradients sent to their owners"])
 
 
 def _own_gradients(ctx, collectives, stage, grads, variables, groups):
@@ -535,6 +547,24 @@ class ShardCollectives:
                 (sent if source == me else received).append(moved)
         with tf.control_dependencies(sent):
             return tf.add_n(received)
+
+    def reduce_to_owner(self, ctx, value, owner, not_owner):
+        """The sum of `value` over the replicas on replica `owner`; `not_owner` on the
+        others. "pairwise": each other replica sends its value to the owner alone (the bytes
+        of a reduce-scatter of it); else an all-reduce."""
+        me = replica_in_sync()
+        n = ctx.num_replicas_in_sync
+        if self.kind != "pairwise":
+            summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+            return summed if me == owner else not_owner
+        if me != owner:
+            sent = self._send_or_receive(me, owner, me, n, value)
+            with tf.control_dependencies([sent]):
+                return tf.identity(not_owner)
+        with tf.control_dependencies([value]):
+            received = [self._send_or_receive(me, other, other, n, value)
+                        for other in range(n) if other != me]
+        return tf.add_n([value] + received)
 
     def _next_pair_instance(self, group, device):
         # Counted per group and device, as TensorFlow counts its own (whose table knows
