@@ -25,6 +25,8 @@ _EXPORTS = {
     "data": "tfpar.data",
     "errors": "tfpar.errors",
     "plan": "tfpar.plan",
+    "MeshStrategy": "tfpar.distribute.mesh",
+    "use_keras_distribution": "tfpar.keras.mesh",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

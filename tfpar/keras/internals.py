@@ -32,7 +32,10 @@ SYMBOLS = {
     "keras.src.backend.common.masking.get_keras_mask": "keep masks across devices",
     "keras.src.backend.common.masking.set_keras_mask": "keep masks across devices",
     "keras.src.backend.compute_output_spec": "build a model from shapes, allocating nothing",
-    "keras.src.backend.tensorflow.core.Variable": "atomic updates under parameter servers",
+    "keras.src.backend.tensorflow.core.Variable":
+        "atomic updates under parameter servers; variables laid out on a device mesh",
+    "keras.src.backend.tensorflow.distribution_lib":
+        "keras.distribution's unfinished TensorFlow backend, completed on DTensor",
     "keras.src.backend.tensorflow.optimizer.TFOptimizer": "optimizer updates of sharded variables",
     "keras.src.backend.tensorflow.trainer.TensorFlowTrainer": "fit/evaluate/predict dispatch",
     "keras.src.losses.loss": "global normalization of mean losses over replicas",
@@ -124,6 +127,8 @@ ATTRIBUTES = {
     "_distribute_strategy": "keras.Model",
     "_value": "keras.Variable",
     "_initializer": "keras.Variable (a variable without storage yet)",
+    "_initialize": "keras.Variable on TensorFlow (its storage, laid out on a device mesh)",
+    "_shape": "keras.Variable (made from a value: its shape, before Keras sets it)",
     "_initialize_with_initializer": "keras.Variable (where it gets its storage)",
     "_deferred_initialize": "keras.Variable (storage for one made in a StatelessScope)",
     "_direct_assign": "keras.Variable (a write that needs its storage first)",

@@ -1,0 +1,267 @@
+"""Keras' `keras.distribution` layouts on TensorFlow: the TensorFlow side.
+
+TensorFlow's own SPMD runtime, DTensor (`tf.experimental.dtensor`), computes on tensors
+laid out on a device mesh: an op on split operands runs piece by piece, each device on
+its own piece, and the runtime inserts the collectives the layouts need. A matmul whose
+kernel is split by output columns needs none (column parallel); split along its
+contracted rows, one all-reduce of partial sums (row parallel); a batch split along the
+data axis has its replicated variables' gradients all-reduced over that axis only. A layout
+no op can compute piecewise is gathered first (`dtensor.relayout`). On GPUs DTensor's
+collectives are NCCL's (`communication_environment`).
+
+This module holds the mesh of a `keras.distribution.DeviceMesh` (`MeshRuntime`): values
+placed piece by piece on their devices, batches split along the data axis, values read
+back whole; `MeshVariable` is a variable that lives in pieces and reads back whole.
+`MeshStrategy` is the strategy-style entry point. Keras is adapted in `tfpar.keras.mesh`.
+"""
+
+import contextlib
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpar.plan import layouts
+from tfpar.plan.placement import format_bytes
+
+
+def device_name(keras_device):
+    """A TensorFlow device name of a Keras device string ("cpu:0", "gpu:1")."""
+    match = re.fullmatch(r"(?:/device:)?([A-Za-z]+):(\d+)", str(keras_device))
+    if not match:
+        raise ValueError(f"Not a device of this host: {keras_device!r} (expected 'cpu:0', "
+                         f"'gpu:1', ...; keras.distribution.list_devices() lists them).")
+    kind, index = match.groups()
+    return f"/job:localhost/replica:0/task:0/device:{kind.upper()}:{index}"
+
+
+def communication_environment(device_types):
+    """Environment DTensor reads for its collectives: NCCL when every device is a GPU.
+
+    >>> communication_environment({"GPU"}), communication_environment({"CPU"})
+    ({'DTENSOR_GPU_USE_NCCL_COMMUNICATION': '1'}, {})
+    """
+    return {"DTENSOR_GPU_USE_NCCL_COMMUNICATION": "1"} if set(device_types) == {"GPU"} else {}
+
+
+class MeshRuntime:
+    """The DTensor mesh of a `keras.distribution.DeviceMesh`: places values on it and reads
+    them back. One per Keras mesh (`runtime_of`)."""
+
+    def __init__(self, device_mesh):
+        self.keras_mesh = device_mesh
+        self.plan = layouts.Mesh(tuple(int(n) for n in device_mesh.shape),
+                                 tuple(device_mesh.axis_names))
+        self.devices = [device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1)]
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError(f"A device mesh names a device twice: {self.devices}")
+        self.mesh = dtensor.create_mesh(list(zip(self.plan.axis_names, self.plan.shape)),
+                                        devices=self.devices)
+
+    def layout(self, axes):
+        """The DTensor layout of `axes` (a mesh axis or None per dimension)."""
+        return dtensor.Layout([a if a is not None else dtensor.UNSHARDED for a in axes],
+                              self.mesh)
+
+    def place(self, value, axes, name="a tensor"):
+        """`value` (a whole tensor) as a DTensor laid out as `axes`: each device's piece is
+        cut on that device, so no device ever holds more than its piece."""
+        value = tf.convert_to_tensor(value)
+        axes = layouts.check_layout(self.plan, axes, value.shape, name)
+        pieces = []
+        for index, device in enumerate(self.devices):
+            bounds = layouts.shard_slices(self.plan, axes, value.shape, index)
+            with tf.device(device):
+                pieces.append(tf.identity(value[tuple(slice(a, b) for a, b in bounds)]))
+        return dtensor.pack(pieces, self.layout(axes))
+
+    def whole(self, tensor):
+        """The full value of a DTensor (or of a `MeshVariable`), as an ordinary tensor
+        assembled from its pieces (no collective)."""
+        if isinstance(tensor, MeshVariable):
+            tensor = tensor.read_value()
+        if not dtensor.is_dtensor(tensor):
+            return tensor
+        axes = [None if a == dtensor.UNSHARDED else a
+                for a in dtensor.fetch_layout(tensor).sharding_specs]
+        pieces = dtensor.unpack(tensor)
+        if all(a is None for a in axes):
+            return tf.identity(pieces[0])
+        out = np.zeros(tensor.shape, tensor.dtype.as_numpy_dtype)
+        for index, piece in enumerate(pieces):
+            bounds = layouts.shard_slices(self.plan, axes, tensor.shape, index)
+            out[tuple(slice(a, b) for a, b in bounds)] = piece.numpy()
+        return tf.constant(out)
+
+    def batch(self, value, batch_axis):
+        """A batch's tensor split along `batch_axis` over its first dimension, or
+        replicated when its size does not divide evenly (an epoch's last partial batch:
+        every device then computes the whole, with the same result)."""
+        value = tf.convert_to_tensor(value)
+        axes = [None] * value.shape.rank
+        if value.shape.rank and batch_axis is not None and \
+                value.shape[0] % self.plan.axis_size(batch_axis) == 0:
+            axes[0] = batch_axis
+        return self.place(value, axes)
+
+    def variable(self, value, axes, name, trainable=True):
+        """A `MeshVariable` of initial `value`, laid out as `axes`."""
+        with tf.init_scope():
+            placed = self.place(value, axes, name)
+            variable = MeshVariable(placed, trainable=trainable, name=name)
+        variable._tfpar_runtime = self
+        variable._tfpar_axes = tuple(axes)
+        return variable
+
+
+_runtimes = {}
+
+
+def runtime_of(device_mesh):
+    """The one `MeshRuntime` of a Keras `DeviceMesh`."""
+    key = id(device_mesh)
+    if key not in _runtimes:
+        _runtimes[key] = (device_mesh, MeshRuntime(device_mesh))  # Keep the mesh alive.
+    return _runtimes[key][1]
+
+
+class MeshVariable(dtensor.DVariable):
+    """A DTensor variable that reads back whole and takes whole values (saving, loading,
+    `get_weights`), each device keeping its piece."""
+
+    def numpy(self):
+        return self._tfpar_runtime.whole(self.read_value()).numpy()
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        if tf.executing_eagerly() and not dtensor.is_dtensor(value):
+            value = self._tfpar_runtime.place(tf.cast(value, self.dtype), self._tfpar_axes,
+                                              self.name)
+        return super().assign(value, use_locking=use_locking, name=name,
+                              read_value=read_value)
+
+
+def _layer_of(path):
+    return path.rsplit("/", 1)[0] if "/" in path else path
+
+
+def sharding_rows(model):
+    """Per variable of `model` laid out on a mesh: (path, axes, full shape, shard shape,
+    devices, bytes per device)."""
+    rows = []
+    for variable in model.weights:
+        value = variable.value
+        if not isinstance(value, MeshVariable):
+            continue
+        runtime = value._tfpar_runtime
+        shape = tuple(variable.shape)
+        piece = layouts.shard_shape(runtime.plan, value._tfpar_axes, shape)
+        size = int(np.prod(piece, dtype=np.int64)) * value.dtype.size
+        rows.append((variable.path, value._tfpar_axes, shape, piece, len(runtime.devices), size))
+    return rows
+
+
+def kernel_mode(equation, axes):
+    """How a layer computing `einsum(equation, inputs, kernel)` runs with its kernel laid
+    out as `axes`: "column", "row", "replicated", or "gathered" (the kernel is gathered
+    before use)."""
+    try:
+        split = layouts.einsum_split(equation, axes)
+    except ValueError:
+        split = None
+    return "gathered" if split is None else split[0]
+
+
+def sharding_report(model, modes):
+    """A table of `model`'s variables on the mesh: layout, shard shape, bytes per device;
+    then each split layer's mode (`modes`: layer path -> mode) and the bytes each device
+    holds."""
+    rows = sharding_rows(model)
+    if not rows:
+        raise ValueError("This model has no variables on a device mesh: build it under "
+                         "keras.distribution.set_distribution(...) after "
+                         "tfpar.use_keras_distribution(), or under MeshStrategy.scope().")
+    lines = [f"{'variable':44} {'layout':22} {'shape':>14} {'shard':>14} {'per device':>11}"]
+    for path, axes, shape, piece, _, size in rows:
+        lines.append(f"{path:44} {str(axes):22} {str(shape):>14} {str(piece):>14} "
+                     f"{format_bytes(size):>11}")
+    lines.append("")
+    for layer, mode in modes.items():
+        lines.append(f"layer {layer}: {mode}")
+    total = sum(r[5] for r in rows)
+    lines.append(f"each of the {rows[0][4]} devices holds {format_bytes(total)} of variables")
+    return "\n".join(lines)
+
+
+class MeshStrategy:
+    """Keras' distribution API (`keras.distribution`) on TensorFlow, as a strategy scope.
+
+    Variables whose path matches a `layout_map` key are split over the mesh axes it
+    names, each device holding its piece (tensor parallelism: a `Dense` kernel split by
+    output columns computes without communication, by input rows with one all-reduce);
+    batches are split along `batch_dim_name`. Equivalent to
+    `keras.distribution.set_distribution(ModelParallel(layout_map=...))` (or
+    `DataParallel` without a layout map) after `tfpar.use_keras_distribution()`.
+    Not a `tf.distribute.Strategy`: `model.fit` is how it trains.
+
+    Args:
+      mesh: a `keras.distribution.DeviceMesh`.
+      layout_map: a `keras.distribution.LayoutMap` (regex keys over variable paths), or
+        None: every variable replicated (data parallelism).
+      batch_dim_name: the mesh axis batches are split along (default: the first).
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
+      ...                                      keras.distribution.list_devices()[:2])
+      >>> layout_map = keras.distribution.LayoutMap(mesh)
+      >>> layout_map["dense.*kernel"] = (None, "model")
+      >>> strategy = tfpar.MeshStrategy(mesh, layout_map)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+      ...     model.compile("sgd", "mse")
+      >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 8)), batch_size=4, verbose=0)
+      >>> strategy.num_replicas_in_sync
+      1
+    """
+
+    def __init__(self, mesh, layout_map=None, batch_dim_name=None):
+        import keras
+
+        from tfpar.keras import mesh as keras_mesh
+
+        keras_mesh.use_keras_distribution()
+        if not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise ValueError(f"mesh must be a keras.distribution.DeviceMesh. Received: {mesh!r}")
+        if layout_map is None:
+            layout_map = keras.distribution.LayoutMap(mesh)
+        if layout_map.device_mesh is not mesh:
+            raise ValueError("layout_map was made for another DeviceMesh than mesh.")
+        self.distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name=batch_dim_name or mesh.axis_names[0])
+        self.runtime = runtime_of(mesh)
+
+    @property
+    def num_replicas_in_sync(self):
+        """Copies of the model working on different parts of a batch (the data axis)."""
+        return self.runtime.plan.axis_size(self.distribution.batch_dim_name)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Models created (and compiled) in the scope live on the mesh."""
+        with self.distribution.scope():
+            yield self
+
+    def sharding_report(self, model):
+        """Per variable: layout, shard shape, devices and bytes; per layer: sharded or
+        gathered; the bytes each device holds."""
+        from tfpar.keras import mesh as keras_mesh
+
+        return sharding_report(model, keras_mesh.layer_modes(model))
+
+    def __repr__(self):
+        plan = self.runtime.plan
+        return f"MeshStrategy(mesh={dict(zip(plan.axis_names, plan.shape))})"

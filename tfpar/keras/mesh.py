@@ -1,0 +1,266 @@
+"""Keras' distribution API (`keras.distribution`) on the TensorFlow backend: the Keras side.
+
+On TensorFlow, Keras 3.15 leaves the API unfinished: its backend module says "DO NOT
+USE", `distribute_value` is a TODO, and a `DataParallel` cannot even be made (the backend
+has no `num_processes`). `use_keras_distribution()` completes it, on TensorFlow's own
+SPMD runtime, DTensor (`tfpar.distribute.mesh`):
+
+- the backend functions Keras' frontend calls (devices, processes, meshes, layouts,
+  `keras.distribution.distribute_tensor`);
+- a Keras variable created while a distribution is set is laid out as the distribution
+  says (`get_variable_layout`: the regex keys of a `LayoutMap`), its pieces made on their
+  devices; optimizer state takes its variable's layout (Keras passes it);
+- `fit`, `evaluate` and `predict` of a model on a mesh run Keras' own train, test and
+  predict steps, compiled, on each batch split along the data axis, and hand back whole
+  values. Inside a step every value has one device's meaning (global view, as on JAX):
+  losses, metrics and BatchNorm statistics are those of the whole batch.
+"""
+
+import contextlib
+import functools
+
+import tensorflow as tf
+
+from tfpar.distribute import mesh as mesh_lib
+from tfpar.keras import hooks
+from tfpar.keras import internals
+
+_BACKEND = "keras.src.backend.tensorflow.distribution_lib"
+
+
+def use_keras_distribution():
+    """Makes `keras.distribution` (DeviceMesh, LayoutMap, DataParallel, ModelParallel,
+    set_distribution, distribute_tensor) work on the TensorFlow backend. Idempotent.
+
+    Example:
+      >>> import keras, tfpar
+      >>> tfpar.use_keras_distribution()
+      >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+      >>> type(model.weights[0].value).__name__
+      'MeshVariable'
+      >>> keras.distribution.set_distribution(None)
+    """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError("tfpar.use_keras_distribution() is for the TensorFlow backend; "
+                         f"Keras runs on {keras.backend.backend()!r}, where Keras' own "
+                         f"distribution API applies.")
+    backend = internals.symbol(_BACKEND)
+    for name, function in _backend_functions().items():
+        setattr(backend, name, function)
+    variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
+    internals.attr(variable, "_initialize")
+    hooks._wrap_once(variable, "_initialize", _laid_out, "_tfpar_mesh")
+    trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    for kind in ("train", "test", "predict"):
+        hooks._wrap_once(trainer, f"make_{kind}_function",
+                         functools.partial(_mesh_function, kind=kind), "_tfpar_mesh")
+    for name in ("fit", "evaluate", "predict"):
+        hooks._wrap_once(trainer, name, _in_the_models_distribution, "_tfpar_mesh")
+
+
+# --- The backend functions Keras' frontend calls ---------------------------------------
+
+def _backend_functions():
+    import keras
+
+    def num_processes():
+        return 1
+
+    def process_id():
+        return 0
+
+    def get_device_count(device_type=None):
+        return len(keras.distribution.list_devices(device_type))
+
+    def initialize(job_addresses=None, num_processes=None, process_id=None):
+        if (num_processes or 1) > 1:
+            raise ValueError("keras.distribution on TensorFlow (tfpar) runs in one process: "
+                             "one host's devices. Across hosts, use tfpar.DataParallelStrategy "
+                             "with TF_CONFIG.")
+
+    def _to_backend_mesh(device_mesh):
+        return mesh_lib.runtime_of(device_mesh).mesh
+
+    def _to_backend_layout(tensor_layout):
+        if tensor_layout.device_mesh is None:
+            raise ValueError("A TensorLayout needs its device mesh to be laid out; make it "
+                             "with TensorLayout(axes, device_mesh).")
+        return mesh_lib.runtime_of(tensor_layout.device_mesh).layout(tensor_layout.axes)
+
+    def distribute_tensor(tensor, layout):
+        # A DTensor (inside a step on a mesh) takes the layout; any other tensor is
+        # computed whole, as on one device.
+        from tensorflow.experimental import dtensor
+
+        if isinstance(layout, keras.distribution.TensorLayout):
+            layout = layout.backend_layout
+        if tf.executing_eagerly() and not dtensor.is_dtensor(tensor):
+            return tensor
+        return dtensor.relayout(tensor, layout) if _in_mesh_step() else tensor
+
+    def distribute_variable(value, layout):
+        runtime = mesh_lib.runtime_of(layout.device_mesh)
+        return runtime.variable(value, layout.axes, "distributed")
+
+    return {"num_processes": num_processes, "process_id": process_id,
+            "get_device_count": get_device_count, "initialize": initialize,
+            "_to_backend_mesh": _to_backend_mesh, "_to_backend_layout": _to_backend_layout,
+            "distribute_tensor": distribute_tensor, "distribute_value": distribute_tensor,
+            "distribute_variable": distribute_variable}
+
+
+# --- Variables ---------------------------------------------------------------------------
+
+def _layout_of(variable, distribution):
+    """The `TensorLayout` of a Keras variable being given storage: its own (optimizer state
+    takes its variable's), else the distribution's."""
+    import keras
+
+    layout = getattr(variable, "_layout", None)
+    if isinstance(layout, keras.distribution.TensorLayout) and layout.device_mesh is not None:
+        return layout
+    if distribution is None:
+        return None
+    layout = distribution.get_variable_layout(variable)
+    if layout.device_mesh is None:
+        layout.device_mesh = distribution.device_mesh
+    return layout
+
+
+def _laid_out(keras_initialize):
+    """Variable._initialize: under a distribution, storage laid out on its mesh."""
+
+    def _initialize(self, value):
+        import keras
+
+        distribution = keras.distribution.distribution()
+        if isinstance(value, tf.Variable) or (
+                distribution is None and getattr(self, "_layout", None) is None):
+            return keras_initialize(self, value)
+        with tf.init_scope():  # (Optimizer state is made while a step is traced.)
+            value = tf.convert_to_tensor(value() if callable(value) else value, self._dtype)
+        if internals.attr(self, "_shape") is None:  # Made from a value: Keras sets it next.
+            self._shape = tuple(value.shape)
+        layout = _layout_of(self, distribution)
+        if layout is None:
+            return keras_initialize(self, value)
+        self._layout = layout
+        self._value = mesh_lib.runtime_of(layout.device_mesh).variable(
+            value, layout.axes, self.name, trainable=self.trainable)
+        self._value._tfpar_distribution = keras.distribution.distribution()
+        return None
+
+    return _initialize
+
+
+def _mesh_variable(model):
+    """A variable of `model` laid out on a mesh, or None."""
+    for variable in model.weights:
+        if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
+            return internals.attr(variable, "_value")
+    return None
+
+
+def _distribution_of(model):
+    variable = _mesh_variable(model)
+    return None if variable is None else variable._tfpar_distribution
+
+
+@contextlib.contextmanager
+def _scope(distribution):
+    import keras
+
+    if distribution is None or keras.distribution.distribution() is distribution:
+        yield
+    else:
+        with distribution.scope():
+            yield
+
+
+def _in_the_models_distribution(method):
+    """fit / evaluate / predict of a model made under a distribution run under it (its
+    metrics and optimizer state are made there), even if called outside its scope."""
+
+    def wrapper(self, *args, **kwargs):
+        with _scope(_distribution_of(self)):
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+# --- Steps -------------------------------------------------------------------------------
+
+_step = []  # Non-empty while a step on a mesh is traced.
+
+
+def _in_mesh_step():
+    return bool(_step)
+
+
+def _traced(step):
+    def traced(data):
+        _step.append(True)
+        try:
+            return step(data)
+        finally:
+            _step.pop()
+    return tf.function(traced, reduce_retracing=True)
+
+
+def _mesh_function(keras_make, kind, **unused):
+    """make_{train,test,predict}_function: on a mesh, Keras' own step compiled over
+    DTensors, each batch split along the data axis, whole values handed back."""
+
+    def make(self, force=False):
+        variable = _mesh_variable(self)
+        if variable is None:
+            return keras_make(self, force)
+        attribute = f"{kind}_function"
+        if getattr(self, attribute) is not None and not force:
+            return getattr(self, attribute)
+        if self.jit_compile is True:
+            raise ValueError("jit_compile=True is not supported for a model on a device mesh "
+                             "(tfpar.use_keras_distribution): compile with jit_compile=False.")
+        runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
+        step = _traced(getattr(self, f"{kind}_step"))
+        axis = distribution.batch_dim_name
+
+        def run(data):
+            data = tf.nest.map_structure(
+                lambda t: None if t is None else runtime.batch(t, axis), data)
+            with _scope(distribution):
+                return tf.nest.map_structure(runtime.whole, step(data))
+
+        if kind == "predict":
+            def function(batches):
+                outputs = [run(data) for data in batches]
+                return tf.nest.map_structure(lambda *o: tf.concat(o, axis=0), *outputs)
+        else:
+            def function(iterator):
+                outputs = None
+                for _, data in zip(range(self.steps_per_execution), iterator):
+                    outputs = run(data)
+                if outputs is None:
+                    raise StopIteration
+                return outputs
+
+        setattr(self, attribute, function)
+        return function
+
+    return make
+
+
+def layer_modes(model):
+    """Per layer whose kernel lies on a mesh: how it computes ("column", "row",
+    "replicated", or "gathered": the kernel is gathered before use)."""
+    modes = {}
+    for layer in internals.attr(model, "_flatten_layers")(include_self=False):
+        kernel = getattr(layer, "kernel", None) if hasattr(type(layer), "kernel") else None
+        value = getattr(kernel, "value", None)
+        if not isinstance(value, mesh_lib.MeshVariable):
+            continue
+        equation = getattr(layer, "equation", None) or "...i,io->...o"
+        modes[layer.path] = mesh_lib.kernel_mode(equation, value._tfpar_axes)
+    return modes
