@@ -19,6 +19,8 @@ setup(
     packages=find_packages(include=["tfpar", "tfpar.*"]),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=8,<10", "pytest-timeout>=2.3", "pytest-xdist>=3.5,<4"]},
+    # keras-hub: real model configs (GemmaBackbone.get_layout_map) for keras.distribution tests.
+    extras_require={"test": ["pytest>=8,<10", "pytest-timeout>=2.3", "pytest-xdist>=3.5,<4",
+                             "keras-hub==0.32.0"]},
     entry_points={"console_scripts": ["tfpar=tfpar.cli:main"]},
 )

@@ -69,6 +69,8 @@ class MeshRuntime:
         cut on that device, so no device ever holds more than its piece."""
         value = tf.convert_to_tensor(value)
         axes = layouts.check_layout(self.plan, axes, value.shape, name)
+        if dtensor.is_dtensor(value):  # Computed on the mesh already.
+            return dtensor.relayout(value, self.layout(axes))
         pieces = []
         for index, device in enumerate(self.devices):
             bounds = layouts.shard_slices(self.plan, axes, value.shape, index)
@@ -136,12 +138,26 @@ class MeshVariable(dtensor.DVariable):
     def __array__(self, dtype=None):
         return np.asarray(self.numpy(), dtype=dtype)
 
-    def assign(self, value, use_locking=None, name=None, read_value=True):
+    def _laid_out(self, value):
+        # A value written is first given the variable's layout. DTensor wrote a value
+        # laid out otherwise as it was: a replicated bias updated by a gradient split like
+        # its column-parallel layer's output held garbage (1.3e3) after one step.
         if tf.executing_eagerly() and not dtensor.is_dtensor(value):
-            value = self._tfpar_runtime.place(tf.cast(value, self.dtype), self._tfpar_axes,
-                                              self.name)
-        return super().assign(value, use_locking=use_locking, name=name,
+            return self._tfpar_runtime.place(tf.cast(value, self.dtype), self._tfpar_axes,
+                                             self.name)
+        return dtensor.relayout(value, self._tfpar_runtime.layout(self._tfpar_axes))
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return super().assign(self._laid_out(value), use_locking=use_locking, name=name,
                               read_value=read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_add(self._laid_out(delta), use_locking=use_locking, name=name,
+                                  read_value=read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return super().assign_sub(self._laid_out(delta), use_locking=use_locking, name=name,
+                                  read_value=read_value)
 
 
 def _layer_of(path):

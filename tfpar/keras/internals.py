@@ -34,6 +34,8 @@ SYMBOLS = {
     "keras.src.backend.compute_output_spec": "build a model from shapes, allocating nothing",
     "keras.src.backend.tensorflow.core.Variable":
         "atomic updates under parameter servers; variables laid out on a device mesh",
+    "keras.src.distribution.distribution_lib":
+        "Distribution.scope() sets the distribution through this module's function",
     "keras.src.backend.tensorflow.distribution_lib":
         "keras.distribution's unfinished TensorFlow backend, completed on DTensor",
     "keras.src.backend.tensorflow.optimizer.TFOptimizer": "optimizer updates of sharded variables",

@@ -1,0 +1,343 @@
+"""keras.distribution on the TensorFlow backend (tfpar.use_keras_distribution, MeshStrategy).
+
+Each program here is written as a user of Keras' distribution API writes it (list_devices,
+DeviceMesh, LayoutMap with regex keys, set_distribution, then build, compile, fit), with
+only the tfpar line added; every result is compared with the same program on one device.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import tfpar
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def no_distribution_left_set():
+    tfpar.use_keras_distribution()
+    yield
+    keras.distribution.set_distribution(None)
+
+
+def _data(n=48, features=8, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, features)).astype("float32"),
+            rng.integers(0, classes, n).astype("int32"))
+
+
+def _mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(16, activation="relu", name="dense_up"),
+                              keras.layers.Dense(8, activation="tanh", name="dense_down"),
+                              keras.layers.Dense(4, name="head")])
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def _train(build, x, y, epochs=2, batch_size=16):
+    model = build()
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False)
+    return (model, history.history, model.evaluate(x, y, batch_size=batch_size, verbose=0),
+            model.predict(x, batch_size=batch_size, verbose=0))
+
+
+def _assert_same_run(got, want):
+    model, history, evaluate, predict = got
+    for a, b in zip(model.get_weights(), want[0].get_weights()):
+        np.testing.assert_allclose(a, b, atol=ATOL)
+    for key in want[1]:
+        np.testing.assert_allclose(history[key], want[1][key], atol=ATOL, err_msg=key)
+    np.testing.assert_allclose(evaluate, want[2], atol=ATOL)
+    np.testing.assert_allclose(predict, want[3], atol=ATOL)
+
+
+@pytest.fixture(scope="module")
+def one_device_mlp():
+    return _train(_mlp, *_data())
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_guides_data_parallel_and_model_parallel_run_on_tensorflow(one_device_mlp, n):
+    """The keras-io guide's two parts, on n logical CPUs: DataParallel over the devices,
+    then ModelParallel with a LayoutMap of regex keys on a (n/2, 2) mesh."""
+    x, y = _data()
+    devices = keras.distribution.list_devices()[:n]
+    assert len(devices) == n and keras.distribution.get_device_count("cpu") >= n
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    _assert_same_run(_train(_mlp, x, y), one_device_mlp)
+
+    mesh = keras.distribution.DeviceMesh((n // 2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+    layout_map[".*dense_up/bias"] = ("model",)
+    layout_map[".*dense_down/ker.*"] = ("model", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch"))
+    got = _train(_mlp, x, y)
+    _assert_same_run(got, one_device_mlp)
+    # Each device holds its piece of the split kernels, and only that.
+    model = got[0]
+    up = model.get_layer("dense_up").kernel.value
+    pieces = dtensor.unpack(up.read_value())
+    assert [tuple(p.shape) for p in pieces] == [(8, 8)] * n
+    assert [p.device for p in pieces] == [
+        f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+    columns = [model.get_layer("dense_up").kernel.numpy()[:, k * 8:(k + 1) * 8]
+               for k in (0, 1)]
+    for index, piece in enumerate(pieces):
+        np.testing.assert_array_equal(piece.numpy(), columns[index % 2])
+    assert [tuple(p.shape) for p in dtensor.unpack(
+        model.get_layer("dense_down").kernel.value.read_value())] == [(8, 8)] * n
+    # Adam's moments take their variable's layout (Keras passes it).
+    moments = [v for v in model.optimizer.variables if "dense_up_kernel" in v.path]
+    assert moments and all(v._layout.axes == (None, "model") for v in moments)
+    assert all(tuple(p.shape) == (8, 8)
+               for v in moments for p in dtensor.unpack(v.value.read_value()))
+
+
+def _block(heads=2, hidden=8, ff=16, classes=4, steps=6):
+    """A transformer block (self-attention, then a Megatron MLP, each with a residual and
+    LayerNorm), mean-pooled into a classifier head."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((steps, hidden))
+    # (No attention biases: the key bias has no gradient, mathematically, and Adam blows
+    # its rounding noise up to steps of the learning rate's size, on one device too.)
+    attention = keras.layers.MultiHeadAttention(heads, hidden // heads, use_bias=False,
+                                                name="attention")
+    x = keras.layers.LayerNormalization(name="norm_1")(inputs + attention(inputs, inputs))
+    h = keras.layers.Dense(ff, activation="gelu", name="mlp_up")(x)
+    x = keras.layers.LayerNormalization(name="norm_2")(x + keras.layers.Dense(
+        hidden, name="mlp_down")(h))
+    outputs = keras.layers.Dense(classes, name="head")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    return model
+
+
+def _block_layouts(mesh):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    # MultiHeadAttention's kernels: (hidden, heads, head size) in, (heads, head size,
+    # hidden) out: split by heads, then rows.
+    layout_map["attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["attention/attention_output/kernel"] = ("model", None, None)
+    layout_map["mlp_up/kernel"] = (None, "model")
+    layout_map["mlp_up/bias"] = ("model",)
+    layout_map["mlp_down/kernel"] = ("model", None)
+    return layout_map
+
+
+def _sequences(n=48, steps=6, hidden=8):
+    rng = np.random.default_rng(1)
+    return (rng.normal(size=(n, steps, hidden)).astype("float32"),
+            rng.integers(0, 4, n).astype("int32"))
+
+
+@pytest.fixture(scope="module")
+def one_device_block():
+    x, y = _sequences()
+    model = _block()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # 3 steps of Adam.
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 1), (2, 2)])
+def test_a_transformer_block_trains_as_on_one_device(one_device_block, shape):
+    """Heads and MLP split over "model", the batch over "batch": weights after 3 steps
+    of fit with Adam equal one device's."""
+    x, y = _sequences()
+    devices = keras.distribution.list_devices()[:shape[0] * shape[1]]
+    mesh = keras.distribution.DeviceMesh(shape, ["batch", "model"], devices)
+    strategy = tfpar.MeshStrategy(mesh, _block_layouts(mesh))
+    assert strategy.num_replicas_in_sync == shape[0]
+    with strategy.scope():
+        model = _block()
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert int(model.optimizer.iterations.numpy()) == 3
+    for got, want in zip(model.get_weights(), one_device_block):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    report = strategy.sharding_report(model)
+    assert "layer mlp_up: column" in report
+    assert "mlp_down: row" in report and "head: replicated" in report
+    if shape[1] == 2:
+        assert "(8, 2, 4)" in report and "(8, 1, 4)" in report  # query kernel, its piece
+
+
+def test_checkpoints_hold_whole_weights_and_load_on_one_device_and_on_a_mesh(tmp_path):
+    x, y = _data()
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+    strategy = tfpar.MeshStrategy(mesh, layout_map)
+    with strategy.scope():
+        model = _mlp()
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / "mesh.weights.h5")
+    model.save_weights(path)
+    one_device = _mlp()
+    one_device.load_weights(path)
+    for a, b in zip(one_device.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(one_device.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=ATOL)
+    with strategy.scope():
+        again = _mlp()
+    again.load_weights(path)
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert len(dtensor.unpack(again.get_layer("dense_up").kernel.value.read_value())) == 4
+
+
+def test_layouts_that_do_not_fit_are_refused_before_anything_is_made():
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*head/kernel"] = (None, "model")  # 4 outputs split in 2: fine.
+    with pytest.raises(ValueError, match="Invalid axis names for Layout"):  # (Keras' check.)
+        layout_map[".*dense_down/kernel"] = (None, "seq")
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = ("model", None)
+    with tfpar.MeshStrategy(mesh, layout_map).scope():
+        keras.utils.set_random_seed(0)
+        with pytest.raises(ValueError, match="size 3\\) does not split into 2 equal parts"):
+            keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense_up")])
+    with pytest.raises(ValueError, match="keras.distribution.DeviceMesh"):
+        tfpar.MeshStrategy((1, 2))
+
+
+def test_jit_compile_is_refused_clearly():
+    x, y = _data()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras.distribution.LayoutMap(mesh)))
+    model = _mlp()
+    model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=True)
+    with pytest.raises(ValueError, match="jit_compile=True is not supported"):
+        model.fit(x, y, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_partial_last_batch_and_steps_per_execution_match_one_device():
+    """40 examples in batches of 16: the last batch of 8 still splits over 2; one of 6
+    would not, and runs whole (replicated)."""
+    x, y = _data(n=38)
+
+    def build():
+        model = _mlp()
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=2)
+        return model
+
+    want = _train(build, x, y)
+    mesh = keras.distribution.DeviceMesh((4,), ["batch"], keras.distribution.list_devices()[:4])
+    keras.distribution.set_distribution(keras.distribution.DataParallel(device_mesh=mesh))
+    _assert_same_run(_train(build, x, y), want)
+
+
+def test_keras_distribute_tensor_and_output_layouts():
+    """`keras.distribution.distribute_tensor` leaves a tensor as it is, and a layer output
+    named in the LayoutMap (a "<layer>/output" key) trains as on one device (DTensor lays
+    values out as their ops need; relaying them as asked trained to other weights)."""
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout = keras.distribution.TensorLayout([None, "model"], mesh)
+    value = tf.ones((2, 4))
+    assert keras.distribution.distribute_tensor(value, layout) is value
+    x, y = _data()
+    want = _train(_mlp, x, y, epochs=1)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+    layout_map[".*dense_up/output"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    _assert_same_run(_train(_mlp, x, y, epochs=1), want)
+
+
+@pytest.mark.slow
+def test_an_mlp_block_costs_one_all_reduce_forward_and_one_backward():
+    """Counted from the collectives TensorFlow runs (its log of each collective launch),
+    in a process of its own: a forward pass of a column- then row-parallel block launches
+    one all-reduce per device; a training step, one more (the input gradient)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="collective_ops=1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get(
+                   "PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, os.path.join(HERE, "workers", "mesh_collectives.py")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = {}
+    phase = None
+    for line in (done.stdout + done.stderr).splitlines():
+        if line.startswith("PHASE "):
+            phase = line.split()[1]
+            counts[phase] = 0
+        elif "Collective ExecuteAsync start" in line and "AllReduce" in line and phase:
+            counts[phase] += 1
+    # 2 devices of the model axis; per call: forward 1 all-reduce each, training 2.
+    assert (counts["forward"], counts["train"], counts["end"]) == (2, 4, 0), counts
+
+
+def _gemma(vocab=32, hidden=16, heads=2):
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    return keras_hub.models.GemmaBackbone(
+        vocabulary_size=vocab, num_layers=2, num_query_heads=heads, num_key_value_heads=heads,
+        hidden_dim=hidden, intermediate_dim=32, head_dim=8)
+
+
+def test_a_keras_hub_gemma_trains_under_its_own_layout_map():
+    """keras-hub's GemmaBackbone from a small config (nothing downloaded), laid out by its
+    own `get_layout_map` on a (1, 2) mesh: logits and gradients equal the unsharded
+    model's (1e-4), each device holds half of every split kernel, and fit trains it."""
+    pytest.importorskip("keras_hub", reason="a test dependency: pip install -e '.[test]'")
+    import keras_hub
+
+    rng = np.random.default_rng(0)
+    inputs = {"token_ids": rng.integers(1, 32, (4, 6)).astype("int32"),
+              "padding_mask": np.ones((4, 6), "int32")}
+
+    def logits_and_gradients(model):
+        with tf.GradientTape() as tape:
+            hidden = model(inputs)
+            logits = model.token_embedding(hidden, reverse=True)
+            loss = tf.reduce_mean(tf.square(logits))
+        grads = tape.gradient(loss, [v.value for v in model.trainable_variables])
+        return logits, grads
+
+    one_device = _gemma()
+    want_logits, want_grads = logits_and_gradients(one_device)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = _gemma()
+    runtime = tfpar.MeshStrategy(mesh, layout_map).runtime
+    logits, grads = tf.function(logits_and_gradients)(model)
+    np.testing.assert_allclose(runtime.whole(logits), want_logits, atol=1e-4)
+    for got, want, v in zip(grads, want_grads, model.trainable_variables):
+        np.testing.assert_allclose(runtime.whole(got), want, atol=1e-4, err_msg=v.path)
+    split = [v for v in model.weights if "model" in v.value._tfpar_axes]
+    assert {v.path.split("/")[-2] for v in split} >= {
+        "token_embedding", "query", "key", "value",
+        "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"}
+    for v in split:
+        pieces = dtensor.unpack(v.value.read_value())
+        assert all(p.shape.num_elements() * 2 == v.shape.num_elements() for p in pieces), v.path
+    causal = keras_hub.models.GemmaCausalLM(backbone=model, preprocessor=None)
+    causal.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    history = causal.fit(inputs, rng.integers(0, 32, (4, 6)), batch_size=4, epochs=3,
+                         verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]

@@ -1,0 +1,53 @@
+"""Runs a Megatron MLP block (column- then row-parallel Dense) on a (1, 2) mesh and marks
+each phase on stderr ("PHASE <name>"), for a test that counts the collectives TensorFlow
+logs launching in each (TF_CPP_VMODULE=collective_ops=1)."""
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import tfpar  # noqa: E402
+
+
+def phase(name):
+    sys.stderr.flush()
+    print(f"PHASE {name}", file=sys.stderr, flush=True)
+
+
+def main():
+    tfpar.virtual_cpus(2)
+    import keras
+    import tensorflow as tf
+
+    tfpar.use_keras_distribution()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    layout_map[".*up/bias"] = ("model",)
+    layout_map[".*down/kernel"] = ("model", None)
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="embed"),
+                              keras.layers.Dense(32, activation="relu", name="up"),
+                              keras.layers.Dense(8, name="down")])
+    model.compile("sgd", "mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8)).astype("float32"), rng.normal(size=(16, 8)).astype("float32")
+    phase("warmup")  # Traces and runs each step once.
+    model.predict_on_batch(x)
+    model.train_on_batch(x, y)
+    tf.test.experimental.sync_devices()
+    phase("forward")
+    model.predict_on_batch(x)
+    tf.test.experimental.sync_devices()
+    phase("train")
+    model.train_on_batch(x, y)
+    tf.test.experimental.sync_devices()
+    phase("end")
+
+
+if __name__ == "__main__":
+    main()
