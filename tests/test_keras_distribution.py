@@ -341,3 +341,14 @@ def test_a_keras_hub_gemma_trains_under_its_own_layout_map():
     history = causal.fit(inputs, rng.integers(0, 32, (4, 6)), batch_size=4, epochs=3,
                          verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from tfpar.distribute import mesh, mesh_strategy
+    from tfpar.keras import mesh as keras_mesh
+
+    for module in (mesh, mesh_strategy, keras_mesh):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

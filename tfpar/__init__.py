@@ -25,7 +25,7 @@ _EXPORTS = {
     "data": "tfpar.data",
     "errors": "tfpar.errors",
     "plan": "tfpar.plan",
-    "MeshStrategy": "tfpar.distribute.mesh",
+    "MeshStrategy": "tfpar.distribute.mesh_strategy",
     "use_keras_distribution": "tfpar.keras.mesh",
 }
 

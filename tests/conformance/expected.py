@@ -15,11 +15,16 @@ import harness
 
 EQUAL = "equal"
 MULTI_WORKER = "mw2"  # DataParallelStrategy over 2 worker processes (1 CPU replica each)
-COLUMNS = harness.STRATEGY_IDS + [MULTI_WORKER]
+COLUMNS = harness.STRATEGY_IDS + [MULTI_WORKER, harness.MESH]
 # Features the multi-worker test runs (one pair of processes runs them one after another).
 MULTI_WORKER_FEATURES = ["loss_sum", "sample_weight", "masked_pooling", "partial_last_batch",
                          "metrics_confusion", "batchnorm_synchronized", "batchnorm"]
 
+# Features run under tfpar.MeshStrategy (keras.distribution on TensorFlow).
+MESH_FEATURES = ["loss_sum", "sample_weight", "class_weight", "masked_pooling",
+                 "partial_last_batch", "metrics_confusion", "batchnorm", "dropout_seeded",
+                 "activity_regularizer", "recompile", "steps_per_execution", "mixed_bfloat16",
+                 "multi_input_output", "save_keras_load"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -65,18 +70,31 @@ def _expected():
     for f in MULTI_WORKER_FEATURES:
         cells[f, MULTI_WORKER] = EQUAL
     cells["batchnorm", MULTI_WORKER] = PER_REPLICA_BN
+    for f in MESH_FEATURES:
+        cells[f, harness.MESH] = EQUAL
     return cells
 
 
 EXPECTED = _expected()
 
-ISSUE = "issue 11"
+ISSUE = ("issue 11", "issue 15")  # What a known gap's reason starts with.
 # Cell -> "issue 11: <what is wrong, measured>". Empty at 48c2cdd: the gaps this suite found
 # on earlier revisions (DataParallelStrategy: add_loss / activity regularizer counted per
 # replica, uneven splits; PipelineStrategy with replicas: evaluate with mean_with_sample_weight,
 # BatchNorm moving statistics per replica; jit_compile and gradient accumulation crashes) are
 # fixed. A new one goes here, with the measured difference, until it is fixed.
-KNOWN_GAPS = {}
+KNOWN_GAPS = {
+    # keras.distribution on TensorFlow (DTensor), session 9: measured on a (1, 2) mesh.
+    ("masked_pooling", "mesh"): "issue 15: Embedding(mask_zero=True) into masked pooling "
+                                "trains to other weights (embeddings 0.025 off after 1 epoch)",
+    ("metrics_confusion", "mesh"): "issue 15: AUC's update uses tf.reverse, which DTensor "
+                                   "cannot lay out ('tf.ReverseV2' op does not implement "
+                                   "layout propagation): fit fails",
+    ("dropout_seeded", "mesh"): "issue 15: Dropout masks differ from one device's (DTensor "
+                                "draws its own random numbers)",
+    ("mixed_bfloat16", "mesh"): "issue 15: predictions 0.012 off one device's under "
+                                "mixed_bfloat16 (partial sums in bfloat16?), over the tolerance",
+}
 
 
 def cell_status(feature, sid):
@@ -96,7 +114,8 @@ TABLE_START = "<!-- conformance-table:start -->"
 TABLE_END = "<!-- conformance-table:end -->"
 HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "1f1b": "1F1B K2 M4", "pipe_r2k2": "1F1B R2 K2 M2", "zero2": "ZeRO-2 DP 2",
-           "zero3": "ZeRO-3 DP 2", MULTI_WORKER: "DP 2 workers"}
+           "zero3": "ZeRO-3 DP 2", MULTI_WORKER: "DP 2 workers",
+           harness.MESH: "keras.distribution TP 2"}
 
 
 def render_table():

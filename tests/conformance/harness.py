@@ -47,12 +47,29 @@ STRATEGIES = {
     "zero3": lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
 }
 STRATEGY_IDS = list(STRATEGIES)
+# keras.distribution on TensorFlow (tfpar.MeshStrategy): a (1, 2) mesh, the features' two
+# hidden Dense layers split as a Megatron pair, column then row (a representative subset of
+# features, expected.MESH_FEATURES).
+MESH = "mesh"
+
+
+def _mesh_strategy():
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*d1/kernel"] = (None, "model")
+    layout_map[".*d1/bias"] = ("model",)
+    layout_map[".*d2/kernel"] = ("model", None)
+    return tfpar.MeshStrategy(mesh, layout_map)
+
+
+STRATEGIES[MESH] = _mesh_strategy
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
-            "zero2": 2, "zero3": 2}
+            "zero2": 2, "zero3": 2, MESH: 1}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
-                 "zero2": 1, "zero3": 1}
+                 "zero2": 1, "zero3": 1, MESH: 1}
 
 
 def make_strategy(sid):

@@ -12,10 +12,10 @@ collectives are NCCL's (`communication_environment`).
 This module holds the mesh of a `keras.distribution.DeviceMesh` (`MeshRuntime`): values
 placed piece by piece on their devices, batches split along the data axis, values read
 back whole; `MeshVariable` is a variable that lives in pieces and reads back whole.
-`MeshStrategy` is the strategy-style entry point. Keras is adapted in `tfpar.keras.mesh`.
+`tfpar.MeshStrategy` (`mesh_strategy.py`) is the strategy-style entry point; Keras is
+adapted in `tfpar.keras.mesh`.
 """
 
-import contextlib
 import re
 
 import numpy as np
@@ -117,6 +117,13 @@ class MeshRuntime:
         return variable
 
 
+def pieces(variable):
+    """The pieces of a variable on a mesh (a Keras variable or a `MeshVariable`), one per
+    device, in the mesh's order."""
+    value = getattr(variable, "value", variable)
+    return dtensor.unpack(value.read_value())
+
+
 _runtimes = {}
 
 
@@ -210,74 +217,3 @@ def sharding_report(model, modes):
     total = sum(r[5] for r in rows)
     lines.append(f"each of the {rows[0][4]} devices holds {format_bytes(total)} of variables")
     return "\n".join(lines)
-
-
-class MeshStrategy:
-    """Keras' distribution API (`keras.distribution`) on TensorFlow, as a strategy scope.
-
-    Variables whose path matches a `layout_map` key are split over the mesh axes it
-    names, each device holding its piece (tensor parallelism: a `Dense` kernel split by
-    output columns computes without communication, by input rows with one all-reduce);
-    batches are split along `batch_dim_name`. Equivalent to
-    `keras.distribution.set_distribution(ModelParallel(layout_map=...))` (or
-    `DataParallel` without a layout map) after `tfpar.use_keras_distribution()`.
-    Not a `tf.distribute.Strategy`: `model.fit` is how it trains.
-
-    Args:
-      mesh: a `keras.distribution.DeviceMesh`.
-      layout_map: a `keras.distribution.LayoutMap` (regex keys over variable paths), or
-        None: every variable replicated (data parallelism).
-      batch_dim_name: the mesh axis batches are split along (default: the first).
-
-    Example:
-      >>> import keras, numpy as np, tfpar
-      >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
-      ...                                      keras.distribution.list_devices()[:2])
-      >>> layout_map = keras.distribution.LayoutMap(mesh)
-      >>> layout_map["dense.*kernel"] = (None, "model")
-      >>> strategy = tfpar.MeshStrategy(mesh, layout_map)
-      >>> with strategy.scope():
-      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
-      ...     model.compile("sgd", "mse")
-      >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 8)), batch_size=4, verbose=0)
-      >>> strategy.num_replicas_in_sync
-      1
-    """
-
-    def __init__(self, mesh, layout_map=None, batch_dim_name=None):
-        import keras
-
-        from tfpar.keras import mesh as keras_mesh
-
-        keras_mesh.use_keras_distribution()
-        if not isinstance(mesh, keras.distribution.DeviceMesh):
-            raise ValueError(f"mesh must be a keras.distribution.DeviceMesh. Received: {mesh!r}")
-        if layout_map is None:
-            layout_map = keras.distribution.LayoutMap(mesh)
-        if layout_map.device_mesh is not mesh:
-            raise ValueError("layout_map was made for another DeviceMesh than mesh.")
-        self.distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name=batch_dim_name or mesh.axis_names[0])
-        self.runtime = runtime_of(mesh)
-
-    @property
-    def num_replicas_in_sync(self):
-        """Copies of the model working on different parts of a batch (the data axis)."""
-        return self.runtime.plan.axis_size(self.distribution.batch_dim_name)
-
-    @contextlib.contextmanager
-    def scope(self):
-        """Models created (and compiled) in the scope live on the mesh."""
-        with self.distribution.scope():
-            yield self
-
-    def sharding_report(self, model):
-        """Per variable: layout, shard shape, devices and bytes; per layer: sharded or
-        gathered; the bytes each device holds."""
-        from tfpar.keras import mesh as keras_mesh
-
-        return sharding_report(model, keras_mesh.layer_modes(model))
-
-    def __repr__(self):
-        plan = self.runtime.plan
-        return f"MeshStrategy(mesh={dict(zip(plan.axis_names, plan.shape))})"

@@ -130,6 +130,7 @@ ATTRIBUTES = {
     "_value": "keras.Variable",
     "_initializer": "keras.Variable (a variable without storage yet)",
     "_initialize": "keras.Variable on TensorFlow (its storage, laid out on a device mesh)",
+    "_layout": "keras.Variable (its keras.distribution layout, which optimizer state takes)",
     "_shape": "keras.Variable (made from a value: its shape, before Keras sets it)",
     "_initialize_with_initializer": "keras.Variable (where it gets its storage)",
     "_deferred_initialize": "keras.Variable (storage for one made in a StatelessScope)",

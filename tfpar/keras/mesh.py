@@ -35,10 +35,15 @@ def use_keras_distribution():
     Example:
       >>> import keras, tfpar
       >>> tfpar.use_keras_distribution()
-      >>> keras.distribution.set_distribution(keras.distribution.DataParallel())
-      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
-      >>> type(model.weights[0].value).__name__
-      'MeshVariable'
+      >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+      ...                                      keras.distribution.list_devices()[:2])
+      >>> layout_map = keras.distribution.LayoutMap(mesh)
+      >>> layout_map[".*dense.*kernel"] = (None, "model")
+      >>> keras.distribution.set_distribution(
+      ...     keras.distribution.ModelParallel(layout_map=layout_map))
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+      >>> [tuple(p.shape) for p in tfpar.distribute.mesh.pieces(model.weights[0])]
+      [(2, 2), (2, 2)]
       >>> keras.distribution.set_distribution(None)
     """
     import keras
@@ -168,7 +173,7 @@ def _layout_of(variable, distribution):
     takes its variable's), else the distribution's."""
     import keras
 
-    layout = getattr(variable, "_layout", None)
+    layout = internals.attr(variable, "_layout")
     if isinstance(layout, keras.distribution.TensorLayout) and layout.device_mesh is not None:
         return layout
     if distribution is None or _strategy_for(distribution) is not None:
@@ -187,7 +192,7 @@ def _laid_out(keras_initialize):
 
         distribution = keras.distribution.distribution()
         if isinstance(value, tf.Variable) or (
-                distribution is None and getattr(self, "_layout", None) is None):
+                distribution is None and internals.attr(self, "_layout") is None):
             return keras_initialize(self, value)
         with tf.init_scope():  # (Optimizer state is made while a step is traced.)
             value = tf.convert_to_tensor(value() if callable(value) else value, self._dtype)

@@ -1,0 +1,73 @@
+"""`tfpar.MeshStrategy`: Keras' distribution API on TensorFlow as a strategy scope."""
+
+import contextlib
+
+from tfpar.distribute import mesh as mesh_lib
+from tfpar.keras import mesh as keras_mesh
+
+
+class MeshStrategy:
+    """Keras' distribution API (`keras.distribution`) on TensorFlow, as a strategy scope.
+
+    Variables whose path matches a `layout_map` key are split over the mesh axes it
+    names, each device holding its piece (tensor parallelism: a `Dense` kernel split by
+    output columns computes without communication, by input rows with one all-reduce);
+    batches are split along `batch_dim_name`. Equivalent to
+    `keras.distribution.set_distribution(ModelParallel(layout_map=...))` (or
+    `DataParallel` without a layout map) after `tfpar.use_keras_distribution()`.
+    Not a `tf.distribute.Strategy`: `model.fit` is how it trains.
+
+    Args:
+      mesh: a `keras.distribution.DeviceMesh`.
+      layout_map: a `keras.distribution.LayoutMap` (regex keys over variable paths), or
+        None: every variable replicated (data parallelism).
+      batch_dim_name: the mesh axis batches are split along (default: the first).
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
+      ...                                      keras.distribution.list_devices()[:2])
+      >>> layout_map = keras.distribution.LayoutMap(mesh)
+      >>> layout_map["dense.*kernel"] = (None, "model")
+      >>> strategy = tfpar.MeshStrategy(mesh, layout_map)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+      ...     model.compile("sgd", "mse")
+      >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 8)), batch_size=4, verbose=0)
+      >>> strategy.num_replicas_in_sync
+      1
+    """
+
+    def __init__(self, mesh, layout_map=None, batch_dim_name=None):
+        import keras
+
+        keras_mesh.use_keras_distribution()
+        if not isinstance(mesh, keras.distribution.DeviceMesh):
+            raise ValueError(f"mesh must be a keras.distribution.DeviceMesh. Received: {mesh!r}")
+        if layout_map is None:
+            layout_map = keras.distribution.LayoutMap(mesh)
+        if layout_map.device_mesh is not mesh:
+            raise ValueError("layout_map was made for another DeviceMesh than mesh.")
+        self.distribution = keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name=batch_dim_name or mesh.axis_names[0])
+        self.runtime = mesh_lib.runtime_of(mesh)
+
+    @property
+    def num_replicas_in_sync(self):
+        """Copies of the model working on different parts of a batch (the data axis)."""
+        return self.runtime.plan.axis_size(self.distribution.batch_dim_name)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Models created (and compiled) in the scope live on the mesh."""
+        with self.distribution.scope():
+            yield self
+
+    def sharding_report(self, model):
+        """Per variable: layout, shard shape, devices and bytes; per layer: sharded or
+        gathered; the bytes each device holds."""
+        return mesh_lib.sharding_report(model, keras_mesh.layer_modes(model))
+
+    def __repr__(self):
+        plan = self.runtime.plan
+        return f"MeshStrategy(mesh={dict(zip(plan.axis_names, plan.shape))})"
