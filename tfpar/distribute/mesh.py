@@ -16,6 +16,7 @@ back whole; `MeshVariable` is a variable that lives in pieces and reads back who
 adapted in `tfpar.keras.mesh`.
 """
 
+import os
 import re
 
 import numpy as np
@@ -56,6 +57,10 @@ class MeshRuntime:
         self.devices = [device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1)]
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"A device mesh names a device twice: {self.devices}")
+        # (Read by DTensor when it starts: a GPU mesh's collectives are NCCL's.)
+        for key, value in communication_environment(
+                {tf.DeviceSpec.from_string(d).device_type for d in self.devices}).items():
+            os.environ.setdefault(key, value)
         self.mesh = dtensor.create_mesh(list(zip(self.plan.axis_names, self.plan.shape)),
                                         devices=self.devices)
 
