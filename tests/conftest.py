@@ -14,6 +14,23 @@ def pytest_configure(config):
     import tfpar
 
     tfpar.virtual_cpus(NUM_CPUS)
+    # The pytest processes of one run share files under this id (the conformance suite's
+    # one-device references); the controlling process names it, and removes them after.
+    if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid") \
+            and config.option.testrunuid is None:
+        import uuid
+
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    run_id = getattr(config.option, "testrunuid", None)
+    if run_id and not hasattr(config, "workerinput"):
+        import shutil
+        import tempfile
+
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfpar-conformance-{run_id}"),
+                      ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
