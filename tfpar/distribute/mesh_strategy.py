@@ -12,16 +12,17 @@ class MeshStrategy:
     Variables whose path matches a `layout_map` key are split over the mesh axes it
     names, each device holding its piece (tensor parallelism: a `Dense` kernel split by
     output columns computes without communication, by input rows with one all-reduce);
-    batches are split along `batch_dim_name`. Equivalent to
-    `keras.distribution.set_distribution(ModelParallel(layout_map=...))` (or
-    `DataParallel` without a layout map) after `tfpar.use_keras_distribution()`.
-    Not a `tf.distribute.Strategy`: `model.fit` is how it trains.
+    every device sees the whole batch (splitting it along `batch_dim_name` is not done yet:
+    README). Equivalent to `keras.distribution.set_distribution(ModelParallel(layout_map=...))`
+    after `tfpar.use_keras_distribution()`; for data parallelism use
+    `keras.distribution.DataParallel` or `tfpar.DataParallelStrategy`. Not a
+    `tf.distribute.Strategy`: `model.fit` is how it trains.
 
     Args:
       mesh: a `keras.distribution.DeviceMesh`.
       layout_map: a `keras.distribution.LayoutMap` (regex keys over variable paths), or
-        None: every variable replicated (data parallelism).
-      batch_dim_name: the mesh axis batches are split along (default: the first).
+        None: every variable replicated.
+      batch_dim_name: the mesh axis of data parallelism (default: the first).
 
     Example:
       >>> import keras, numpy as np, tfpar

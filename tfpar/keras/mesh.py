@@ -11,8 +11,7 @@ SPMD runtime, DTensor (`tfpar.distribute.mesh`):
   says (`get_variable_layout`: the regex keys of a `LayoutMap`), its pieces made on their
   devices; optimizer state takes its variable's layout (Keras passes it);
 - `fit`, `evaluate` and `predict` of a model on a mesh run Keras' own train, test and
-  predict steps, compiled, on each batch split along the data axis, and hand back whole
-  values. Inside a step every value has one device's meaning (global view, as on JAX):
+  predict steps, compiled, over DTensor batches, and hand back whole values. Inside a step every value has one device's meaning (global view, as on JAX):
   losses, metrics and BatchNorm statistics are those of the whole batch.
 """
 
@@ -247,9 +246,9 @@ def _in_the_models_distribution(method):
 # --- Steps -------------------------------------------------------------------------------
 
 
-def _mesh_function(keras_make, kind, **unused):
+def _mesh_function(keras_make, kind):
     """make_{train,test,predict}_function: on a mesh, Keras' own step compiled over
-    DTensors, each batch split along the data axis, whole values handed back."""
+    DTensors (each batch whole on every device), whole values handed back."""
 
     def make(self, force=False):
         variable = _mesh_variable(self)
