@@ -389,7 +389,10 @@ def _batches_seen(strategy, epochs):
 
         def update_state(self, y_true, y_pred, sample_weight=None):
             hits = tf.one_hot(tf.cast(y_true[:, 0], "int32"), self.batches)
-            self.counts.assign(self.counts + tf.reduce_sum(hits, axis=0))
+            # One add on the ps: a read, then a write of the sum, lost one of two workers'
+            # counts when their steps met (a full-suite run saw a batch counted twice in 3
+            # epochs).
+            self.counts.assign_add(tf.reduce_sum(hits, axis=0))
 
         def result(self):
             return tf.reduce_sum(self.counts)
