@@ -216,6 +216,8 @@ def test_layouts_that_do_not_fit_are_refused_before_anything_is_made():
             keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense_up")])
     with pytest.raises(ValueError, match="keras.distribution.DeviceMesh"):
         tfpar.MeshStrategy((1, 2))
+    with pytest.raises(ValueError, match="runs in one process"):
+        keras.distribution.initialize("127.0.0.1:1234,127.0.0.1:1235", 2, 0)
 
 
 def test_jit_compile_is_refused_clearly():
@@ -232,8 +234,9 @@ def test_jit_compile_is_refused_clearly():
 
 
 def test_a_partial_last_batch_and_steps_per_execution_match_one_device():
-    """40 examples in batches of 16: the last batch of 8 still splits over 2; one of 6
-    would not, and runs whole (replicated)."""
+    """38 examples in batches of 16 (the last one of 6, which does not split over 4
+    replicas), 2 steps per execution (the last execution runs one): under DataParallel
+    (tfpar.DataParallelStrategy) and on a tensor-parallel mesh (tfpar's own step loop)."""
     x, y = _data(n=38)
 
     def build():
@@ -245,6 +248,12 @@ def test_a_partial_last_batch_and_steps_per_execution_match_one_device():
     want = _train(build, x, y)
     mesh = keras.distribution.DeviceMesh((4,), ["batch"], keras.distribution.list_devices()[:4])
     keras.distribution.set_distribution(keras.distribution.DataParallel(device_mesh=mesh))
+    _assert_same_run(_train(build, x, y), want)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     _assert_same_run(_train(build, x, y), want)
 
 

@@ -10,7 +10,7 @@ no op can compute piecewise is gathered first (`dtensor.relayout`). On GPUs DTen
 collectives are NCCL's (`communication_environment`).
 
 This module holds the mesh of a `keras.distribution.DeviceMesh` (`MeshRuntime`): values
-placed piece by piece on their devices, batches split along the data axis, values read
+placed piece by piece on their devices, batches whole on every device, values read
 back whole; `MeshVariable` is a variable that lives in pieces and reads back whole.
 `tfpar.MeshStrategy` (`mesh_strategy.py`) is the strategy-style entry point; Keras is
 adapted in `tfpar.keras.mesh`.
@@ -37,6 +37,17 @@ def device_name(keras_device):
     return f"/job:localhost/replica:0/task:0/device:{kind.upper()}:{index}"
 
 
+def mesh_devices(device_mesh):
+    """The TensorFlow device names of a `keras.distribution.DeviceMesh`, in row-major
+    order of the mesh."""
+    return [device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1)]
+
+
+def _region(bounds):
+    """The index of the piece whose (start, stop) per dimension are `bounds`."""
+    return tuple(slice(start, stop) for start, stop in bounds)
+
+
 def communication_environment(device_types):
     """Environment DTensor reads for its collectives: NCCL when every device is a GPU.
 
@@ -54,7 +65,7 @@ class MeshRuntime:
         self.keras_mesh = device_mesh
         self.plan = layouts.Mesh(tuple(int(n) for n in device_mesh.shape),
                                  tuple(device_mesh.axis_names))
-        self.devices = [device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1)]
+        self.devices = mesh_devices(device_mesh)
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"A device mesh names a device twice: {self.devices}")
         # (Read by DTensor when it starts: a GPU mesh's collectives are NCCL's.)
@@ -80,7 +91,7 @@ class MeshRuntime:
         for index, device in enumerate(self.devices):
             bounds = layouts.shard_slices(self.plan, axes, value.shape, index)
             with tf.device(device):
-                pieces.append(tf.identity(value[tuple(slice(a, b) for a, b in bounds)]))
+                pieces.append(tf.identity(value[_region(bounds)]))
         return dtensor.pack(pieces, self.layout(axes))
 
     def whole(self, tensor):
@@ -98,19 +109,15 @@ class MeshRuntime:
         out = np.zeros(tensor.shape, tensor.dtype.as_numpy_dtype)
         for index, piece in enumerate(pieces):
             bounds = layouts.shard_slices(self.plan, axes, tensor.shape, index)
-            out[tuple(slice(a, b) for a, b in bounds)] = piece.numpy()
+            out[_region(bounds)] = piece.numpy()
         return tf.constant(out)
 
-    def batch(self, value, batch_axis):
-        """A batch's tensor split along `batch_axis` over its first dimension, or
-        replicated when its size does not divide evenly (an epoch's last partial batch:
-        every device then computes the whole, with the same result)."""
+    def batch(self, value):
+        """A batch's tensor, whole on every device. (Not split along the data axis: with
+        the batch split over 2 devices DTensor lost the variable updates of some models'
+        steps; BUILD_NOTES.)"""
         value = tf.convert_to_tensor(value)
-        axes = [None] * value.shape.rank
-        if value.shape.rank and batch_axis is not None and \
-                value.shape[0] % self.plan.axis_size(batch_axis) == 0:
-            axes[0] = batch_axis
-        return self.place(value, axes)
+        return self.place(value, [None] * value.shape.rank)
 
     def variable(self, value, axes, name, trainable=True):
         """A `MeshVariable` of initial `value`, laid out as `axes`."""
@@ -170,10 +177,6 @@ class MeshVariable(dtensor.DVariable):
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         return super().assign_sub(self._laid_out(delta), use_locking=use_locking, name=name,
                                   read_value=read_value)
-
-
-def _layer_of(path):
-    return path.rsplit("/", 1)[0] if "/" in path else path
 
 
 def sharding_rows(model):

@@ -561,6 +561,8 @@ class ShardCollectives:
             sent = self._send_or_receive(me, owner, me, n, value)
             with tf.control_dependencies([sent]):
                 return tf.identity(not_owner)
+        # The owner's receives wait for its own gradient: launched when the step starts
+        # they would hold their buffers through the whole forward pass.
         with tf.control_dependencies([value]):
             received = [self._send_or_receive(me, other, other, n, value)
                         for other in range(n) if other != me]

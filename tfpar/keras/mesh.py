@@ -88,11 +88,8 @@ def _strategy_for(distribution):
     if key not in _strategies:
         from tfpar.distribute.data_parallel import DataParallelStrategy
 
-        import numpy as np
-
-        devices = [mesh_lib.device_name(d)
-                   for d in np.asarray(distribution.device_mesh.devices).reshape(-1)]
-        _strategies[key] = (distribution, DataParallelStrategy(devices))
+        strategy = DataParallelStrategy(mesh_lib.mesh_devices(distribution.device_mesh))
+        _strategies[key] = (distribution, strategy)
     return _strategies[key][1]
 
 
@@ -262,14 +259,12 @@ def _mesh_function(keras_make, kind):
                              "(tfpar.use_keras_distribution): compile with jit_compile=False.")
         runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
         step = tf.function(getattr(self, f"{kind}_step"), reduce_retracing=True)
-        # Batches are not split along the data axis (every device sees the whole batch):
-        # DTensor lost the variable updates of some models with a batch split over 2
-        # devices (see DataParallel above). Correct; the data axis brings no speed yet.
-        axis = None
 
         def run(data):
+            # Each batch whole on every device (`MeshRuntime.batch`): correct, and the
+            # data axis brings no speed yet.
             data = tf.nest.map_structure(
-                lambda t: None if t is None else runtime.batch(t, axis), data)
+                lambda t: None if t is None else runtime.batch(t), data)
             with _scope(distribution):
                 return tf.nest.map_structure(runtime.whole, step(data))
 
