@@ -11,8 +11,9 @@ SPMD runtime, DTensor (`tfpar.distribute.mesh`):
   says (`get_variable_layout`: the regex keys of a `LayoutMap`), its pieces made on their
   devices; optimizer state takes its variable's layout (Keras passes it);
 - `fit`, `evaluate` and `predict` of a model on a mesh run Keras' own train, test and
-  predict steps, compiled, over DTensor batches, and hand back whole values. Inside a step every value has one device's meaning (global view, as on JAX):
-  losses, metrics and BatchNorm statistics are those of the whole batch.
+  predict steps, compiled, over DTensor batches, and hand back whole values. Inside a step
+  every value has one device's meaning (global view, as on JAX): losses, metrics and
+  BatchNorm statistics are those of the whole batch.
 """
 
 import contextlib
