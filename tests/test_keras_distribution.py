@@ -6,6 +6,7 @@ only the tfpar line added; every result is compared with the same program on one
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -257,45 +258,144 @@ def test_a_partial_last_batch_and_steps_per_execution_match_one_device():
     _assert_same_run(_train(build, x, y), want)
 
 
+class _LayoutProbe(keras.layers.Layer):
+    """Records the DTensor layout of what it is given, when that is a DTensor."""
+
+    seen = []
+
+    def call(self, x):
+        if tf.executing_eagerly() and dtensor.is_dtensor(x):
+            _LayoutProbe.seen.append(tuple(dtensor.fetch_layout(x).sharding_specs))
+        return x
+
+
 def test_keras_distribute_tensor_and_output_layouts():
-    """`keras.distribution.distribute_tensor` leaves a tensor as it is, and a layer output
-    named in the LayoutMap (a "<layer>/output" key) trains as on one device (DTensor lays
-    values out as their ops need; relaying them as asked trained to other weights)."""
+    """`keras.distribution.distribute_tensor` places a tensor on the mesh as its layout
+    says (each device its piece); a layer output named in the LayoutMap (a "<layer>/output"
+    key) is laid out so in a call, and the model trains as on one device."""
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
                                          keras.distribution.list_devices()[:2])
     layout = keras.distribution.TensorLayout([None, "model"], mesh)
-    value = tf.ones((2, 4))
-    assert keras.distribution.distribute_tensor(value, layout) is value
+    value = tf.reshape(tf.range(8.0), (2, 4))
+    placed = keras.distribution.distribute_tensor(value, layout)
+    pieces = dtensor.unpack(placed)
+    assert [p.device for p in pieces] == tfpar.distribute.mesh.mesh_devices(mesh)
+    np.testing.assert_array_equal(np.concatenate([p.numpy() for p in pieces], axis=1), value)
+
+    def probed(output_axes):
+        layout_map = keras.distribution.LayoutMap(mesh)
+        layout_map[".*dense_up/kernel"] = (None, "model")
+        if output_axes:
+            layout_map[".*dense_up/output"] = output_axes
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layout_map))
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense_up"),
+                                  _LayoutProbe(), keras.layers.Dense(4, name="head")])
+        _LayoutProbe.seen.clear()
+        out = model(_data()[0][:4])
+        keras.distribution.set_distribution(None)
+        return out, list(_LayoutProbe.seen)
+
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    want = plain(_data()[0][:4])
+    for axes in [None, ("model", None)]:
+        out, seen = probed(axes)
+        np.testing.assert_allclose(out, want, atol=ATOL)
+        assert seen == [tuple(a or dtensor.UNSHARDED for a in axes or (None, "model"))], seen
+
     x, y = _data()
     want = _train(_mlp, x, y, epochs=1)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*dense_up/kernel"] = (None, "model")
-    layout_map[".*dense_up/output"] = (None, "model")
+    layout_map[".*dense_up/output"] = ("batch", None)
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     _assert_same_run(_train(_mlp, x, y, epochs=1), want)
 
 
-@pytest.mark.slow
-def test_an_mlp_block_costs_one_all_reduce_forward_and_one_backward():
-    """Counted from the collectives TensorFlow runs (its log of each collective launch),
-    in a process of its own: a forward pass of a column- then row-parallel block launches
-    one all-reduce per device; a training step, one more (the input gradient)."""
+def test_a_model_on_a_2d_mesh_called_eagerly_computes_on_the_mesh():
+    """`model(x)` outside fit, as on JAX: on a (2, 2) mesh the batch is split over the data
+    axis (the first layer sees it so), and the whole output equals one device's."""
+    x = _data()[0][:8]
+    keras.utils.set_random_seed(0)
+    plain = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(4)])
+    want = plain(x)
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:4])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*up/kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), _LayoutProbe(),
+                              keras.layers.Dense(16, name="up"), keras.layers.Dense(4)])
+    _LayoutProbe.seen.clear()
+    got = model(x)
+    assert _LayoutProbe.seen == [("batch", dtensor.UNSHARDED)], _LayoutProbe.seen
+    assert not dtensor.is_dtensor(got)
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+_COLLECTIVE = re.compile(r"CollectiveReduceV2 group_size (\d+) group_key (\d+) .*"
+                         r"shape \[([\d,]*)\] device .*device:CPU:(\d+)")
+
+
+def _collectives_by_phase(*meshes):
+    """{(mesh, phase): [(group key, shape, device)]} of the all-reduces TensorFlow logs
+    launching while `tests/workers/mesh_collectives.py` trains an MLP block on `meshes`."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="collective_ops=1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get(
                    "PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, os.path.join(HERE, "workers", "mesh_collectives.py")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, os.path.join(HERE, "workers", "mesh_collectives.py"),
+                           *meshes], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    counts = {}
-    phase = None
+    found, phase = {}, None
     for line in (done.stdout + done.stderr).splitlines():
         if line.startswith("PHASE "):
-            phase = line.split()[1]
-            counts[phase] = 0
-        elif "Collective ExecuteAsync start" in line and "AllReduce" in line and phase:
-            counts[phase] += 1
-    # 2 devices of the model axis; per call: forward 1 all-reduce each, training 2.
-    assert (counts["forward"], counts["train"], counts["end"]) == (2, 4, 0), counts
+            phase = tuple(line.split()[1:])
+            found[phase] = []
+        elif phase and (match := _COLLECTIVE.search(line)):
+            _, key, shape, device = match.groups()
+            found[phase].append((int(key), tuple(int(n) for n in shape.split(",") if n),
+                                 int(device)))
+    return found
+
+
+def _groups(collectives):
+    """The sets of devices that reduced together."""
+    groups = {}
+    for key, _, device in collectives:
+        groups.setdefault(key, set()).add(device)
+    return sorted(sorted(g) for g in groups.values())
+
+
+@pytest.mark.slow
+def test_collectives_of_an_mlp_block_on_tensor_data_and_2d_meshes():
+    """Read from the collectives TensorFlow runs (its log of each launch: group, shape,
+    device), in a process of its own, for a column- then row-parallel block and a batch of
+    16 rows:
+    - (1, 2) tensor parallel: a forward pass launches one all-reduce per device, a
+      training step one more (the input gradient);
+    - (2, 1) data parallel: the forward pass none; a training step reduces every gradient
+      (624 parameters) across the two devices;
+    - (2, 2): forward all-reduces over the model axis only ({0, 1}, {2, 3}) of 8-row
+      activations, i.e. each data replica computes half the batch; a training step adds
+      the gradient reduction over the data axis only ({0, 2}, {1, 3})."""
+    found = _collectives_by_phase("1,2", "2,1", "2,2")
+    assert len(found[("1,2", "forward")]) == 2 and len(found[("1,2", "train")]) == 4, found
+    assert found[("1,2", "end")] == [] and found[("2,1", "forward")] == [], found
+    data = found[("2,1", "train")]
+    assert _groups(data) == [[0, 1]], data
+    for device in (0, 1):
+        assert sum(int(np.prod(s)) for _, s, d in data if d == device) >= 8 * 8 + 8 + 8 * 32 \
+            + 32 + 32 * 8 + 8, data
+    forward = found[("2,2", "forward")]
+    assert _groups(forward) == [[0, 1], [2, 3]], forward
+    assert {s for _, s, _ in forward} == {(8, 8)}, forward
+    train = found[("2,2", "train")]
+    model_axis = [c for c in train if c[1] == (8, 8)]
+    assert len(model_axis) == 8 and _groups(model_axis) == [[0, 1], [2, 3]], train
+    assert _groups([c for c in train if c[1] != (8, 8)]) == [[0, 2], [1, 3]], train
 
 
 def _gemma(vocab=32, hidden=16, heads=2):

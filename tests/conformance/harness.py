@@ -50,15 +50,16 @@ STRATEGIES = {
 # Strategies run on every feature; "zero2" runs on a representative subset
 # (expected.ZERO2_FEATURES: stage 3 shares its code and runs on all).
 STRATEGY_IDS = [s for s in STRATEGIES if s != "zero2"]
-# keras.distribution on TensorFlow (tfpar.MeshStrategy): a (1, 2) mesh, the features' two
-# hidden Dense layers split as a Megatron pair, column then row (a representative subset of
-# features, expected.MESH_FEATURES).
+# keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
+# over the data axis and the features' two hidden Dense layers split over the model axis as
+# a Megatron pair, column then row (a representative subset of features,
+# expected.MESH_FEATURES).
 MESH = "mesh"
 
 
 def _mesh_strategy():
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
-                                         keras.distribution.list_devices()[:2])
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:4])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*d1/kernel"] = (None, "model")
     layout_map[".*d1/bias"] = ("model",)

@@ -1,6 +1,7 @@
-"""Runs a Megatron MLP block (column- then row-parallel Dense) on a (1, 2) mesh and marks
-each phase on stderr ("PHASE <name>"), for a test that counts the collectives TensorFlow
-logs launching in each (TF_CPP_VMODULE=collective_ops=1)."""
+"""Trains a Megatron MLP block (column- then row-parallel Dense) on each mesh shape named
+in argv ("1,2": tensor parallel; "2,1": data parallel; "2,2": both), marking each phase
+on stderr ("PHASE <shape> <name>"), for a test that reads the collectives TensorFlow logs
+launching in each (TF_CPP_VMODULE=collective_ops=1: group, shape and device of each)."""
 
 import os
 import sys
@@ -11,19 +12,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import tfpar  # noqa: E402
 
 
-def phase(name):
+def phase(shape, name):
     sys.stderr.flush()
-    print(f"PHASE {name}", file=sys.stderr, flush=True)
+    print(f"PHASE {shape} {name}", file=sys.stderr, flush=True)
 
 
-def main():
-    tfpar.virtual_cpus(2)
-    import keras
-    import tensorflow as tf
-
-    tfpar.use_keras_distribution()
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
-                                         keras.distribution.list_devices()[:2])
+def run(keras, tf, spec):
+    shape = tuple(int(n) for n in spec.split(","))
+    mesh = keras.distribution.DeviceMesh(
+        shape, ["batch", "model"], keras.distribution.list_devices()[:int(np.prod(shape))])
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*up/kernel"] = (None, "model")
     layout_map[".*up/bias"] = ("model",)
@@ -36,17 +33,28 @@ def main():
     model.compile("sgd", "mse")
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 8)).astype("float32"), rng.normal(size=(16, 8)).astype("float32")
-    phase("warmup")  # Traces and runs each step once.
+    phase(spec, "warmup")  # Traces and runs each step once.
     model.predict_on_batch(x)
     model.train_on_batch(x, y)
     tf.test.experimental.sync_devices()
-    phase("forward")
+    phase(spec, "forward")
     model.predict_on_batch(x)
     tf.test.experimental.sync_devices()
-    phase("train")
+    phase(spec, "train")
     model.train_on_batch(x, y)
     tf.test.experimental.sync_devices()
-    phase("end")
+    phase(spec, "end")
+    keras.distribution.set_distribution(None)
+
+
+def main():
+    tfpar.virtual_cpus(4)
+    import keras
+    import tensorflow as tf
+
+    tfpar.use_keras_distribution()
+    for spec in sys.argv[1:]:
+        run(keras, tf, spec)
 
 
 if __name__ == "__main__":

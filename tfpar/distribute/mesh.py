@@ -10,7 +10,7 @@ no op can compute piecewise is gathered first (`dtensor.relayout`). On GPUs DTen
 collectives are NCCL's (`communication_environment`).
 
 This module holds the mesh of a `keras.distribution.DeviceMesh` (`MeshRuntime`): values
-placed piece by piece on their devices, batches whole on every device, values read
+placed piece by piece on their devices, batches split along the data axis, values read
 back whole; `MeshVariable` is a variable that lives in pieces and reads back whole.
 `tfpar.MeshStrategy` (`mesh_strategy.py`) is the strategy-style entry point; Keras is
 adapted in `tfpar.keras.mesh`.
@@ -94,6 +94,11 @@ class MeshRuntime:
                 pieces.append(tf.identity(value[_region(bounds)]))
         return dtensor.pack(pieces, self.layout(axes))
 
+    def relayout(self, tensor, axes):
+        """`tensor`, computed on this mesh inside a step, laid out as `axes`."""
+        axes = layouts.check_layout(self.plan, axes, tensor.shape, "a layer output")
+        return dtensor.relayout(tensor, self.layout(axes))
+
     def whole(self, tensor):
         """The full value of a DTensor (or of a `MeshVariable`), as an ordinary tensor
         assembled from its pieces (no collective)."""
@@ -112,12 +117,11 @@ class MeshRuntime:
             out[_region(bounds)] = piece.numpy()
         return tf.constant(out)
 
-    def batch(self, value):
-        """A batch's tensor, whole on every device. (Not split along the data axis: with
-        the batch split over 2 devices DTensor lost the variable updates of some models'
-        steps; BUILD_NOTES.)"""
+    def batch(self, value, batch_axis=None):
+        """A batch's tensor, its rows split over `batch_axis` (each device computing its
+        part of the batch), or whole on every device when they do not split evenly."""
         value = tf.convert_to_tensor(value)
-        return self.place(value, [None] * value.shape.rank)
+        return self.place(value, layouts.batch_layout(self.plan, batch_axis, value.shape))
 
     def variable(self, value, axes, name, trainable=True):
         """A `MeshVariable` of initial `value`, laid out as `axes`."""
@@ -147,6 +151,11 @@ def runtime_of(device_mesh):
     return _runtimes[key][1]
 
 
+def any_mesh():
+    """Whether any Keras mesh has been laid out in this process."""
+    return bool(_runtimes)
+
+
 class MeshVariable(dtensor.DVariable):
     """A DTensor variable that reads back whole and takes whole values (saving, loading,
     `get_weights`), each device keeping its piece."""
@@ -164,17 +173,46 @@ class MeshVariable(dtensor.DVariable):
         if tf.executing_eagerly() and not dtensor.is_dtensor(value):
             return self._tfpar_runtime.place(tf.cast(value, self.dtype), self._tfpar_axes,
                                              self.name)
-        return dtensor.relayout(value, self._tfpar_runtime.layout(self._tfpar_axes))
+        return dtensor.relayout(tf.cast(value, self.dtype),
+                                self._tfpar_runtime.layout(self._tfpar_axes))
+
+    # Read your writes. Inside a compiled step DTensor does not keep a read of a variable
+    # after its write in order, although the graph orders them: with the batch split
+    # along a data axis, SGD momentum's `variable += momentum` read the momentum from
+    # before its update (0), so no variable moved (BUILD_NOTES). A read after a write in
+    # the same graph therefore takes the written value itself, a data dependency.
+
+    def _written(self):
+        graph = tf.compat.v1.get_default_graph()
+        written = getattr(self, "_tfpar_written", None)
+        if tf.executing_eagerly() or written is None or written[0] is not graph:
+            return None
+        return written[1]
+
+    def _read_variable_op(self, *args, **kwargs):
+        written = self._written()
+        if written is None:
+            return super()._read_variable_op(*args, **kwargs)
+        return tf.identity(written)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        return super().assign(self._laid_out(value), use_locking=use_locking, name=name,
+        value = self._laid_out(value)
+        if not tf.executing_eagerly():
+            self._tfpar_written = (tf.compat.v1.get_default_graph(), value)
+        return super().assign(value, use_locking=use_locking, name=name,
                               read_value=read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        if not tf.executing_eagerly():
+            return self.assign(self._read_variable_op() + self._laid_out(delta),
+                               use_locking, name, read_value)
         return super().assign_add(self._laid_out(delta), use_locking=use_locking, name=name,
                                   read_value=read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        if not tf.executing_eagerly():
+            return self.assign(self._read_variable_op() - self._laid_out(delta),
+                               use_locking, name, read_value)
         return super().assign_sub(self._laid_out(delta), use_locking=use_locking, name=name,
                                   read_value=read_value)
 

@@ -19,7 +19,9 @@ SPMD runtime, DTensor (`tfpar.distribute.mesh`):
 import contextlib
 import functools
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpar.distribute import mesh as mesh_lib
 from tfpar.keras import hooks
@@ -64,6 +66,7 @@ def use_keras_distribution():
                          functools.partial(_mesh_function, kind=kind), "_tfpar_mesh")
     for name in ("fit", "evaluate", "predict"):
         hooks._wrap_once(trainer, name, _in_the_models_distribution, "_tfpar_mesh")
+    hooks._wrap_once(keras.layers.Layer, "__call__", _eager_on_the_mesh, "_tfpar_mesh")
     # `Distribution.scope()` calls its module's function; programs call the public one.
     for owner in (internals.symbol("keras.src.distribution.distribution_lib"),
                   keras.distribution):
@@ -73,9 +76,8 @@ def use_keras_distribution():
 # --- DataParallel: tfpar's DataParallelStrategy ---------------------------------------
 # A `keras.distribution.DataParallel` (replicated variables, the batch split over the
 # devices) trains under `tfpar.DataParallelStrategy` on those devices: one device's
-# numbers (README conformance table), NCCL on GPUs. DTensor can split a batch too, but
-# lost every variable update of a step whose model has a LayerNormalization or
-# BatchNormalization scale, with the batch split over 2 devices (BUILD_NOTES).
+# numbers (README conformance table), NCCL on GPUs, everything that strategy supports
+# (ZeRO sharding, accumulation, XLA) rather than DTensor's subset of it.
 
 _strategies = {}  # id(DataParallel) -> (the distribution, its DataParallelStrategy)
 
@@ -136,21 +138,20 @@ def _backend_functions():
         return mesh_lib.runtime_of(device_mesh).mesh
 
     def _to_backend_layout(tensor_layout):
-        if tensor_layout.device_mesh is None:
-            raise ValueError("A TensorLayout needs its device mesh to be laid out; make it "
-                             "with TensorLayout(axes, device_mesh).")
-        return mesh_lib.runtime_of(tensor_layout.device_mesh).layout(tensor_layout.axes)
+        return mesh_lib.runtime_of(_mesh_of(tensor_layout)).layout(tensor_layout.axes)
 
     def distribute_tensor(tensor, layout):
-        # Returned as it is: inside a step DTensor lays each value out as its ops need,
-        # and a layer output relaid as a LayoutMap's "<layer>/output" key asks trained
-        # to other weights than one device (measured: 0.03 after one epoch of a 3-layer
-        # MLP, BUILD_NOTES). Values keep one device's meaning either way.
-        if not isinstance(layout, (keras.distribution.TensorLayout, type(None))) and \
-                not hasattr(layout, "sharding_specs"):
+        # Inside a step, the value relaid as asked (a "<layer>/output" key of a LayoutMap,
+        # as JAX's sharding constraint); outside, placed on the mesh piece by piece.
+        if layout is None:
+            return tensor
+        if not isinstance(layout, keras.distribution.TensorLayout):
             raise ValueError(f"Not a layout: {layout!r} (expected a "
                              f"keras.distribution.TensorLayout).")
-        return tensor
+        runtime = mesh_lib.runtime_of(_mesh_of(layout))
+        if tf.executing_eagerly():
+            return runtime.place(tensor, layout.axes)
+        return runtime.relayout(tensor, layout.axes)
 
     def distribute_variable(value, layout):
         runtime = mesh_lib.runtime_of(layout.device_mesh)
@@ -161,6 +162,13 @@ def _backend_functions():
             "_to_backend_mesh": _to_backend_mesh, "_to_backend_layout": _to_backend_layout,
             "distribute_tensor": distribute_tensor, "distribute_value": distribute_tensor,
             "distribute_variable": distribute_variable}
+
+
+def _mesh_of(tensor_layout):
+    if tensor_layout.device_mesh is None:
+        raise ValueError("A TensorLayout needs its device mesh to be laid out; make it "
+                         "with TensorLayout(axes, device_mesh).")
+    return tensor_layout.device_mesh
 
 
 # --- Variables ---------------------------------------------------------------------------
@@ -246,7 +254,7 @@ def _in_the_models_distribution(method):
 
 def _mesh_function(keras_make, kind):
     """make_{train,test,predict}_function: on a mesh, Keras' own step compiled over
-    DTensors (each batch whole on every device), whole values handed back."""
+    DTensors (each batch split along the data axis), whole values handed back."""
 
     def make(self, force=False):
         variable = _mesh_variable(self)
@@ -259,13 +267,14 @@ def _mesh_function(keras_make, kind):
             raise ValueError("jit_compile=True is not supported for a model on a device mesh "
                              "(tfpar.use_keras_distribution): compile with jit_compile=False.")
         runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
+        batch_axis = getattr(distribution, "batch_dim_name", None)
         step = tf.function(getattr(self, f"{kind}_step"), reduce_retracing=True)
 
         def run(data):
-            # Each batch whole on every device (`MeshRuntime.batch`): correct, and the
-            # data axis brings no speed yet.
+            # Rows split along the data axis; a partial batch that does not split
+            # evenly runs whole on every device (`MeshRuntime.batch`).
             data = tf.nest.map_structure(
-                lambda t: None if t is None else runtime.batch(t), data)
+                lambda t: None if t is None else runtime.batch(t, batch_axis), data)
             with _scope(distribution):
                 return tf.nest.map_structure(runtime.whole, step(data))
 
@@ -286,6 +295,35 @@ def _mesh_function(keras_make, kind):
         return function
 
     return make
+
+
+def _plain_batch(value):
+    return (isinstance(value, (np.ndarray, tf.Tensor)) and len(value.shape) > 0
+            and not dtensor.is_dtensor(value))
+
+
+def _eager_on_the_mesh(keras_call):
+    """Layer.__call__: a model (or layer) on a mesh called eagerly with ordinary arrays
+    computes on the mesh, its inputs split as batches are, and hands back whole values
+    (as `predict` does)."""
+
+    def __call__(self, *args, **kwargs):
+        if not tf.executing_eagerly() or not mesh_lib.any_mesh() or not any(
+                _plain_batch(v) for v in tf.nest.flatten((args, kwargs))):
+            return keras_call(self, *args, **kwargs)
+        variable = _mesh_variable(self)
+        if variable is None:
+            return keras_call(self, *args, **kwargs)
+        runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
+        batch_axis = getattr(distribution, "batch_dim_name", None)
+        args, kwargs = tf.nest.map_structure(
+            lambda v: runtime.batch(v, batch_axis) if _plain_batch(v) else v, (args, kwargs))
+        with _scope(distribution):
+            outputs = keras_call(self, *args, **kwargs)
+        return tf.nest.map_structure(
+            lambda t: runtime.whole(t) if dtensor.is_dtensor(t) else t, outputs)
+
+    return __call__
 
 
 def layer_modes(model):

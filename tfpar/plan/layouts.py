@@ -119,7 +119,7 @@ def check_layout(mesh, axes, shape, name="a tensor"):
         raise ValueError(f"The layout {axes} of {name} splits two dimensions over the same "
                          f"mesh axis.")
     for dim, (axis, size) in enumerate(zip(axes, shape)):
-        if axis is None:
+        if axis is None or size is None:  # (A size unknown until the step runs.)
             continue
         parts = mesh.axis_size(axis)
         if size % parts:
@@ -127,6 +127,23 @@ def check_layout(mesh, axes, shape, name="a tensor"):
                 f"Dimension {dim} of {name} (size {size}) does not split into {parts} "
                 f"equal parts over mesh axis {axis!r}: change the layout or the mesh.")
     return axes
+
+
+def batch_layout(mesh, batch_axis, shape):
+    """The layout of a batch's tensor: its first dimension split over `batch_axis` (data
+    parallelism), or whole on every device when there is no such axis, the axis has one
+    device, or the rows do not split evenly (a partial last batch).
+
+    >>> mesh = Mesh((2, 2), ("batch", "model"))
+    >>> batch_layout(mesh, "batch", (8, 3)), batch_layout(mesh, "batch", (5, 3))
+    (('batch', None), (None, None))
+    """
+    shape = tuple(shape)
+    whole = (None,) * len(shape)
+    if (batch_axis is None or not shape or shape[0] is None
+            or mesh.axis_size(batch_axis) == 1 or shape[0] % mesh.axis_size(batch_axis)):
+        return whole
+    return (batch_axis,) + whole[1:]
 
 
 def shard_shape(mesh, axes, shape):
