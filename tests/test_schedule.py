@@ -1,14 +1,16 @@
 """Pipeline schedules as plain data: no TensorFlow needed."""
 
 import subprocess
+from collections import Counter
 import sys
 
 import pytest
 
 from tfpar.errors import ScheduleError
 from tfpar.plan.schedule import (
-    BACKWARD, FORWARD, SCHEDULES, Action, Schedule, bubble_fraction, execution_order,
-    format_table, gpipe, grid, make_schedule, max_in_flight, one_f_one_b, timeline, validate)
+    BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Schedule, bubble_fraction,
+    execution_order, format_table, gpipe, grid, interleaved_1f1b, make_schedule, max_in_flight,
+    one_f_one_b, timeline, validate, zero_bubble_h1)
 
 # Derived by hand. 1F1B: stage s warms up with min(K - 1 - s, M) forwards, then
 # alternates F/B, then drains the remaining backwards.
@@ -34,7 +36,7 @@ def test_expected_stage_orders(name, k, m):
     assert (schedule.name, schedule.num_stages, schedule.num_micro_batches) == (name, k, m)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("k", range(1, 7))
 @pytest.mark.parametrize("m", range(1, 11))
 def test_schedule_table(name, k, m):
@@ -68,7 +70,7 @@ def test_schedule_table(name, k, m):
 
 
 def test_timeline_gpipe_unit_costs():
-    entries, makespan = timeline(gpipe(2, 2))
+    entries, makespan = timeline(gpipe(2, 2), backward_cost=1)
     assert makespan == 6  # 2 * (M + K - 1)
     assert [(start, end, str(a)) for start, end, a in entries] == [
         (0, 1, "0F0"), (1, 2, "0F1"), (1, 2, "1F0"), (2, 3, "1F1"),
@@ -91,18 +93,19 @@ def test_timeline_rejects_bad_costs(cost):
 
 
 def test_grid_one_f_one_b():
+    # A backward costs two forwards, and fills two steps.
     steps = grid(one_f_one_b(2, 2))
     assert [[str(a) if a else None for a in step] for step in steps] == [
-        ["0F0", None], ["0F1", "1F0"], [None, "1B0"], ["0B0", "1F1"],
-        [None, "1B1"], ["0B1", None]]
+        ["0F0", None], ["0F1", "1F0"], [None, "1B0"], [None, "1B0"], ["0B0", "1F1"],
+        ["0B0", "1B1"], [None, "1B1"], ["0B1", None], ["0B1", None]]
 
 
 def test_format_table():
     text = format_table(gpipe(4, 4))
     lines = text.splitlines()
-    assert lines[0].split() == ["step"] + [str(t) for t in range(14)]
-    assert lines[1].split() == ["stage", "0", "0F0", "0F1", "0F2", "0F3"] + ["."] * 6 + [
-        "0B0", "0B1", "0B2", "0B3"]
+    assert lines[0].split() == ["step"] + [str(t) for t in range(21)]
+    assert lines[1].split() == ["stage", "0", "0F0", "0F1", "0F2", "0F3"] + ["."] * 9 + [
+        "0B0", "0B0", "0B1", "0B1", "0B2", "0B2", "0B3", "0B3"]
     assert lines[4].split()[2:6] == [".", ".", ".", "3F0"]
     assert len({len(line) for line in lines[:5]}) == 1  # fixed-width columns
     assert lines[-1] == "bubble fraction: 0.429 (gpipe, 4 stages, 4 micro-batches)"
@@ -129,7 +132,7 @@ def test_action_str():
 
 @pytest.mark.parametrize("text", ["1X0", "F0", "1F", "", "a1F0", 10])
 def test_action_parse_rejects_bad_text(text):
-    with pytest.raises(ScheduleError, match=r"<stage><F\|B><micro_batch>"):
+    with pytest.raises(ScheduleError, match=r"<stage><F\|B\|I\|W><micro_batch>"):
         Action.parse(text)
 
 
@@ -179,7 +182,7 @@ def test_validate_accepts_a_valid_custom_order():
     (2, True, r"Received: num_micro_batches=True"),
     ("2", 2, r"Received: num_stages='2'"),
 ])
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"])
 def test_bad_arguments(name, k, m, message):
     with pytest.raises(ScheduleError, match=message):
         make_schedule(name, k, m)
@@ -187,7 +190,8 @@ def test_bad_arguments(name, k, m, message):
 
 def test_unknown_schedule_name():
     with pytest.raises(ValueError, match=r"Unknown schedule 'zero_bubble'. Use one of: "
-                                         r"'gpipe', '1f1b'"):
+                                         r"'gpipe', '1f1b', 'interleaved_1f1b', "
+                                         r"'zero_bubble_h1', or a tfpar.plan.schedule.Sch"):
         make_schedule("zero_bubble", 2, 2)
     assert issubclass(ScheduleError, ValueError)
 
@@ -197,3 +201,96 @@ def test_import_does_not_import_tensorflow():
         [sys.executable, "-c",
          "import tfpar.plan.schedule, sys; assert 'tensorflow' not in sys.modules"],
         check=True)
+
+
+# --- Past 1F1B: virtual stages and the split backward -------------------------------------
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("m", [4, 8, 12])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_interleaved_and_zero_bubble_bubbles_follow_their_formulas(k, m, v):
+    """Computed by the dry run with F = I = W = 1, B = 2: interleaved 1F1B's bubble is
+    (K-1) / (vM + K-1) of the step (1F1B's shrunk by v); zero-bubble H1's is
+    (K-1)(F+I-W) / makespan, (K-1)/(3M + K-1) with one chunk per stage."""
+    inter = interleaved_1f1b(k, m, v)
+    zero = zero_bubble_h1(k, m, v)
+    for schedule in (inter, zero):
+        validate(schedule)
+        assert schedule.num_chunks == k * v
+        for s, order in enumerate(schedule.stage_orders):
+            assert {a.stage for a in order} == set(range(s, k * v, k))
+    assert bubble_fraction(inter) == pytest.approx((k - 1) / (v * m + k - 1))
+    if v == 1:
+        assert bubble_fraction(zero) == pytest.approx((k - 1) / (3 * m + k - 1))
+        assert inter.to_strings() == one_f_one_b(k, m).to_strings()
+    if k > 1:
+        assert bubble_fraction(zero) < bubble_fraction(inter) <= bubble_fraction(
+            one_f_one_b(k, m)) + 1e-12
+    kinds = Counter(a.kind for order in zero.stage_orders for a in order)
+    assert kinds == {FORWARD: k * v * m, INPUT_GRAD: k * v * m, WEIGHT_GRAD: k * v * m}
+    # F and I keep the interleaved order; W passes only fill in.
+    for z, i in zip(zero.stage_orders, inter.stage_orders):
+        assert [(a.stage, a.micro_batch, a.kind) for a in z if a.kind != WEIGHT_GRAD] == [
+            (a.stage, a.micro_batch, INPUT_GRAD if a.kind == BACKWARD else a.kind) for a in i]
+
+
+def test_the_issues_k4_m8_figures():
+    one, inter, zero = one_f_one_b(4, 8), interleaved_1f1b(4, 8, 2), zero_bubble_h1(4, 8)
+    assert round(bubble_fraction(one), 3) == 0.273
+    assert bubble_fraction(inter) < bubble_fraction(one)
+    assert bubble_fraction(zero) < bubble_fraction(one)
+    assert format_table(inter).splitlines()[-1] == (
+        "bubble fraction: 0.158 (interleaved_1f1b, 4 stages, 2 virtual stages, "
+        "8 micro-batches)")
+    assert format_table(zero).splitlines()[-1] == (
+        "bubble fraction: 0.111 (zero_bubble_h1, 4 stages, 8 micro-batches)")
+    # Interleaved: Megatron's warm-up, 2(K-1-r) + (v-1)K chunk forwards on stage r.
+    for r, order in enumerate(inter.stage_orders):
+        warm = next(i for i, a in enumerate(order) if a.kind == BACKWARD) - 1
+        assert warm == 2 * (4 - 1 - r) + 4
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_stages():
+    with pytest.raises(ScheduleError, match=r"num_micro_batches \(6\) must be a multiple "
+                                            r"of num_stages \(4\). Use 8 micro-batches"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ScheduleError, match=r"virtual_stages must be 1"):
+        make_schedule("1f1b", 2, 4, virtual_stages=2)
+
+
+def custom_split(*rows, m=2):
+    return Schedule.from_strings(rows, m)
+
+
+@pytest.mark.parametrize("rows,message", [
+    (("0F0 0F1 0I0 0B0 0W0 0B1", "1F0 1F1 1B0 1B1"),
+     r"Stage 0 runs 0B0 and 0I0 0W0: a backward is either whole \(B\) or split"),
+    (("0F0 0F1 0I0 0B1", "1F0 1F1 1B0 1B1"), r"Stage 0 never runs 0W0"),
+    (("0F0 0F1 0W0 0I0 0B1", "1F0 1F1 1B0 1B1"), r"Stage 0 runs 0W0 before 0I0"),
+])
+def test_validate_rejects_bad_split_backwards(rows, message):
+    with pytest.raises(ScheduleError, match=message):
+        validate(custom_split(*rows))
+
+
+def test_a_deadlocked_custom_schedule_shows_the_grid_with_the_stuck_steps_marked():
+    bad = custom_split("0F0 0F1 0I1 0W1 0I0 0W0", "1F0 1I0 1W0 1F1 1I1 1W1")
+    validate(bad.__class__(2, 2, "ok", bad.stage_orders))  # Reordered backwards are fine.
+    stuck = custom_split("0F0 0I0 0F1 0W0 0I1 0W1", "1F1 1F0 1I0 1W0 1I1 1W1")
+    with pytest.raises(ScheduleError) as error:
+        validate(stuck)
+    text = str(error.value)
+    assert "stage 0 at 0I0 (waits for 1I0); stage 1 at 1F1 (waits for 0F1)" in text
+    assert "stage 0: 0F0 >>0I0 0F1 0W0 0I1 0W1" in text
+    assert "stage 1: >>1F1 1F0 1I0 1W0 1I1 1W1" in text
+
+
+def test_virtual_stage_actions_must_sit_on_their_chunks_stage():
+    rows = ["0F0 1F0 2B0 0B0", "2F0 3F0 3B0 1B0"]
+    with pytest.raises(ScheduleError, match=r"Action 1F0 is in stage 0's list but names chunk "
+                                            r"1, which stage 1 holds"):
+        validate(Schedule.from_strings(rows, 1, virtual_stages=2))
+    good = Schedule.from_strings(["0F0 2F0 2B0 0B0", "1F0 3F0 3B0 1B0"], 1, virtual_stages=2)
+    validate(good)
+    assert [str(a) for a in execution_order(good)] == [
+        "0F0", "1F0", "2F0", "3F0", "3B0", "2B0", "1B0", "0B0"]
