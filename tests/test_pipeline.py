@@ -319,15 +319,19 @@ def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
                     assert ancestors_of(node.name) & previous, (str(before), str(after), node.name)
 
 
-def test_trace_writes_a_timeline_in_schedule_order(data, tmp_path):
+@pytest.mark.parametrize("schedule,v,actions", [("1f1b", 1, 2), ("zero_bubble_h1", 2, 3)])
+def test_trace_writes_a_timeline_in_schedule_order(schedule, v, actions, data, tmp_path):
+    """Every action timed on its stage's row, in schedule order; a split backward's I and
+    W apart (chunk c on stage c % K)."""
     x, y = data
-    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b")
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule=schedule,
+                                      virtual_stages=v)
     model = pipelined(strategy)
     events = strategy.trace(str(tmp_path / "step.json"), model, x[:BATCH], y[:BATCH])
     with open(tmp_path / "step.json") as f:
         assert json.load(f)["traceEvents"] == events
     spans = [e for e in events if e["ph"] == "X"]
-    assert len(spans) == 2 * 2 * 4
+    assert len(spans) == 2 * v * actions * 4
     for stage, order in enumerate(strategy.schedule.stage_orders):
         mine = sorted((e for e in spans if e["tid"] == stage), key=lambda e: e["ts"])
         assert [e["name"] for e in mine] == [str(a) for a in order]
@@ -517,3 +521,77 @@ def test_train_binary_runs_a_pipeline_and_rejects_a_batch_it_cannot_split():
     assert code != 0
     assert "A batch of 60 examples does not split evenly into 2 pipeline replicas x 4 " \
            "micro-batches" in output
+
+
+# --- Past 1F1B: virtual stages and zero-bubble schedules ---------------------------------
+
+def deep_mlp(seed=0):
+    """Eight Dense layers: one per chunk for 4 stages x 2 virtual stages."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,))] + [
+        keras.layers.Dense(8, activation="tanh", name=f"d{i}") for i in range(7)] + [
+        keras.layers.Dense(3, name="head")])
+
+
+def steady_adam():
+    """Adam whose epsilon (1e-3) keeps its steps well conditioned. With Keras' 1e-7, a
+    weight whose gradient is ~1e-6 (this model has some) takes a step of about lr x the
+    sign of that gradient, so float rounding of ~1e-9 in the gradient, from summing
+    micro-batches instead of the batch, moves it by 1e-5: GPipe with one layer per
+    stage differs from one device by 1.2e-5 at Adam(0.01), SGD by 1e-7."""
+    return keras.optimizers.Adam(0.01, epsilon=1e-3)
+
+
+@pytest.fixture(scope="module")
+def deep_reference(data):
+    """Weights of the unsplit deep model after 2 Adam steps."""
+    x, y = data
+    model = compiled(deep_mlp(), steady_adam())
+    for step in range(2):
+        model.train_on_batch(x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("schedule,v", [("interleaved_1f1b", 2), ("zero_bubble_h1", 1),
+                                        ("zero_bubble_h1", 2)])
+@pytest.mark.parametrize("m", [4, 8])
+@pytest.mark.parametrize("k", [2, 4])
+def test_interleaved_and_zero_bubble_train_equal_to_the_unsplit_model(
+        k, m, schedule, v, remat, data, deep_reference):
+    """Adam, 2 steps, remat on and off; each chunk's layers on its device (chunk c on
+    stage c % K). (Interleaved with v=1 is 1F1B, whose orders test_schedule checks equal.)"""
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(k), num_micro_batches=m, schedule=schedule,
+                                      virtual_stages=v, remat=remat)
+    model = pipelined(strategy, deep_mlp, steady_adam)
+    for step in range(2):
+        model.train_on_batch(x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+    assert_weights_equal(model.get_weights(), deep_reference)
+    chunks = k * v
+    per_chunk = 8 // chunks
+    assert [device_index(l.kernel.value.device) for l in model.layers] == [
+        (i // per_chunk) % k for i in range(8)]
+
+
+def test_a_custom_schedule_object_runs_after_its_dry_run(data, reference_steps):
+    """`schedule=` takes a Schedule of one's own: stage 1 running its micro-batches'
+    backwards last-first, stage 0 splitting its backward and deferring every W. It
+    trains equal to the unsplit model; one that fits the strategy badly, or would
+    deadlock, is refused before anything runs, the deadlock with the stuck steps marked."""
+    from tfpar.plan.schedule import Schedule
+
+    x, y = data
+    mine = Schedule.from_strings(["0F0 0F1 0I0 0I1 0W1 0W0", "1F0 1F1 1B1 1B0"], 2, name="mine")
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2, schedule=mine)
+    assert strategy.schedule is mine and "schedule='mine'" in repr(strategy)
+    model = pipelined(strategy)
+    for step in range(3):
+        model.train_on_batch(x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+    assert_weights_equal(model.get_weights(), reference_steps[-1])
+    with pytest.raises(ScheduleError, match=r"has num_micro_batches=2, but the strategy has "
+                                            r"num_micro_batches=4: pass num_micro_batches=2"):
+        tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule=mine)
+    stuck = Schedule.from_strings(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], 2)
+    with pytest.raises(ScheduleError, match=r"(?s)would deadlock.*stage 1: >>1F1 1F0 1B0 1B1"):
+        tfpar.PipelineStrategy(cpus(2), num_micro_batches=2, schedule=stuck)

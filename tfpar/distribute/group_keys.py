@@ -18,10 +18,17 @@ import threading
 
 # Keys a strategy may use: one per distinct device group it reduces over.
 _BLOCK = 1000
+# Blocks start far above the keys others use in the same process: a stock MirroredStrategy
+# numbers its groups from 1, and DTensor (tfpar.MeshStrategy, keras.distribution) takes
+# 2048 x n + g for its n-th partition of a mesh into groups g = 0, 1, ... (TensorFlow's
+# dtensor/mlir/collectives.cc); a key that two of them give different devices aborts both
+# ("joining a group that is already full").
+_FIRST_LOCAL_BLOCK = 1 << 18  # Keys from 262,144,000: DTensor reaches them after 128k bases.
 # Cross-worker blocks start here, far above any number of one-host strategies.
-_FIRST_CLUSTER_BLOCK = 1000
+_FIRST_CLUSTER_BLOCK = 1 << 19
 _lock = threading.Lock()
-_blocks = {False: itertools.count(1), True: itertools.count(_FIRST_CLUSTER_BLOCK)}
+_blocks = {False: itertools.count(_FIRST_LOCAL_BLOCK),
+           True: itertools.count(_FIRST_CLUSTER_BLOCK)}
 
 
 def next_key_base(across_workers=False):

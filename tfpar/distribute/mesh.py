@@ -57,6 +57,30 @@ def communication_environment(device_types):
     return {"DTENSOR_GPU_USE_NCCL_COMMUNICATION": "1"} if set(device_types) == {"GPU"} else {}
 
 
+_claimed = []
+
+
+def _claim_dtensor_key_base(devices):
+    """Spends DTensor's first collective key base on a one-group all-reduce.
+
+    DTensor keys the g-th group of its n-th partition of a mesh 2048 x n + g. With n = 0
+    and a mesh of several groups, keys 1, 2, ... are the ones every stock
+    MirroredStrategy numbers its groups from; the two then meet in a group of other
+    devices and both abort ("joining a group that is already full"; measured: a (2, 2)
+    mesh, then a stock MirroredStrategy on 2 CPUs in the same process). Base 0 spent on
+    one group (key 0, which no strategy uses), DTensor's keys start at 2048; tfpar's
+    own strategies keep far above (`tfpar.distribute.group_keys`)."""
+    if _claimed:
+        return
+    _claimed.append(True)
+    mesh = dtensor.create_mesh([("tfpar_claim", len(devices))], devices=devices)
+    pieces = []
+    for device in devices:
+        with tf.device(device):
+            pieces.append(tf.ones([1]))
+    dtensor.unpack(tf.reduce_sum(dtensor.pack(pieces, dtensor.Layout(["tfpar_claim"], mesh))))
+
+
 class MeshRuntime:
     """The DTensor mesh of a `keras.distribution.DeviceMesh`: places values on it and reads
     them back. One per Keras mesh (`runtime_of`)."""
@@ -74,6 +98,7 @@ class MeshRuntime:
             os.environ.setdefault(key, value)
         self.mesh = dtensor.create_mesh(list(zip(self.plan.axis_names, self.plan.shape)),
                                         devices=self.devices)
+        _claim_dtensor_key_base(self.devices)
 
     def layout(self, axes):
         """The DTensor layout of `axes` (a mesh axis or None per dimension)."""

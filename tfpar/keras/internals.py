@@ -150,6 +150,7 @@ ATTRIBUTES = {
     "_cluster": "ClusterCoordinator (its workers)",
     "_moments": "keras.layers.BatchNormalization (a sync part's batch moments)",
     "_type_spec": "a coordinator RemoteValue (a per-worker iterator's spec)",
+    "_add_control_input": "tf.Operation (a zero-bubble W's ops deferred to its turn)",
 }
 
 MANIFEST = {**SYMBOLS, **ATTRIBUTES}

@@ -66,7 +66,9 @@ def use_keras_distribution():
                          functools.partial(_mesh_function, kind=kind), "_tfpar_mesh")
     for name in ("fit", "evaluate", "predict"):
         hooks._wrap_once(trainer, name, _in_the_models_distribution, "_tfpar_mesh")
-    hooks._wrap_once(keras.layers.Layer, "__call__", _eager_on_the_mesh, "_tfpar_mesh")
+    # (Model too: another tfpar hook may have given it a __call__ of its own already.)
+    for owner in (keras.layers.Layer, keras.Model):
+        hooks._wrap_once(owner, "__call__", _eager_on_the_mesh, "_tfpar_mesh")
     # `Distribution.scope()` calls its module's function; programs call the public one.
     for owner in (internals.symbol("keras.src.distribution.distribution_lib"),
                   keras.distribution):

@@ -22,7 +22,7 @@ _BACKWARD_COLOR = (230, 140, 50)
 _OTHER_COLOR = (120, 120, 120)
 
 
-_ACTION_OP = re.compile(r"^(?:gradient_tape/)?pipeline_r(\d+)(?:_\d+)?/(\d+)([FB])(\d+)/")
+_ACTION_OP = re.compile(r"^(?:gradient_tape/)?pipeline_r(\d+)(?:_\d+)?/(\d+)([FBIW])(\d+)/")
 _OP_EVENT = re.compile(r"^([^:]+):([^:]+)$")  # "name:type"; executor bookkeeping has "::".
 # Not timed: transfers wait rather than compute, and variable reads or identities
 # (which may run as soon as the previous action ends) are instants.
@@ -64,16 +64,30 @@ def profiled_ops(logdir):
 
 
 def action_spans(ops, num_stages):
-    """`[(label, row, start, end)]` of the pipeline's actions; row = replica * K + stage."""
+    """`[(label, row, start, end)]` of the pipeline's actions; row = replica * K + stage
+    (a chunk's stage: chunk % K).
+
+    A gradient op is named after the forward op it differentiates, so it reads as B. With
+    a split backward, each I and W action starts with a marker op (`.../1W0/start`): a
+    gradient op that starts at or after its W's marker is the W's, else the I's.
+    """
+    ops = [(found, kind, start, end) for name, kind, start, end, _ in ops
+           if (found := action_of_op(name)) is not None and kind not in _NOT_TIMED]
+    starts = {}
+    for found, _, start, _ in ops:
+        if found[1][len(re.match(r"\d+", found[1])[0])] in "IW":
+            starts[found] = min(start, starts.get(found, start))
     spans = {}
-    for name, kind, start, end, _ in ops:
-        found = action_of_op(name)
-        if found is None or kind in _NOT_TIMED:
-            continue
-        first, last = spans.get(found, (start, end))
-        spans[found] = (min(first, start), max(last, end))
-    return sorted(((label, replica * num_stages + int(re.match(r"\d+", label)[0]), start, end)
-                   for (replica, label), (start, end) in spans.items()), key=lambda s: s[2])
+    for (replica, label), _, start, end in ops:
+        chunk, _, micro = label.partition("B")
+        if micro and (replica, f"{chunk}I{micro}") in starts:
+            w = starts.get((replica, f"{chunk}W{micro}"))
+            label = f"{chunk}{'W' if w is not None and start >= w else 'I'}{micro}"
+        first, last = spans.get((replica, label), (start, end))
+        spans[replica, label] = (min(first, start), max(last, end))
+    return sorted(((label, replica * num_stages + int(re.match(r"\d+", label)[0]) % num_stages,
+                    start, end) for (replica, label), (start, end) in spans.items()),
+                  key=lambda s: s[2])
 
 
 def chrome_events(spans, row_names):

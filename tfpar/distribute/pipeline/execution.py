@@ -8,6 +8,13 @@ The train step walks `execution_order(schedule)` and builds, for each action:
   gradient of the stage's output (seeded with the gradient that stage s+1 sent
   back) with respect to the stage's input and variables. Variable gradients are
   summed over micro-batches on the stage's device.
+- I(s, m) and W(s, m), a B split in two (zero-bubble schedules): I builds the whole
+  VJP but only the input gradient is its work; the ops that only the variables'
+  gradients need get a control input from W's start, so they run in W's turn (no op
+  is computed twice).
+
+With virtual stages, s is a model chunk and runs on device s % K: `devices` lists each
+chunk's device, and the control chain below is per device.
 
 *Order.* On CPUs a device is not a serial stream: every ready op runs. So each
 action's first ops (an identity of its input, variable reads) get a control
@@ -51,7 +58,7 @@ from tfpar.keras import internals
 from tfpar.keras import replicas
 from tfpar.keras.losses import (
     SUM, WEIGHT, has_custom_compute_loss, loss_kind, outputs_masked)
-from tfpar.plan.schedule import FORWARD, execution_order
+from tfpar.plan.schedule import BACKWARD, FORWARD, INPUT_GRAD, execution_order
 from tfpar.plan.stages import check_micro_batches
 
 
@@ -153,6 +160,31 @@ def _accumulate(total, grad):
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(grad)
 
 
+def _only_for(made, wanted, others):
+    """Of the ops `made` (in creation order), the first ones that compute only `wanted`
+    tensors, not `others`: the ops whose inputs are all made elsewhere, each the start of
+    a chain that leads to `wanted` alone. Adding a control input to them delays all of
+    `wanted`'s own work."""
+    made_ids = {id(op) for op in made}
+
+    def ancestors(tensors):
+        seen, stack = set(), [t.op for t in tensors]
+        while stack:
+            op = stack.pop()
+            if id(op) in seen or id(op) not in made_ids:
+                continue
+            seen.add(id(op))
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+        return seen
+
+    shared = ancestors(others)
+    own = ancestors(wanted) - shared
+    return [op for op in made if id(op) in own
+            and not any(id(t.op) in own for t in op.inputs)
+            and not any(id(c) in own for c in op.control_inputs)]
+
+
 class TrainStep:
     """Builds one pipeline replica's training computation for a schedule.
 
@@ -171,21 +203,28 @@ class TrainStep:
         self.model, self.program, self.devices = model, program, list(devices)
         self.schedule, self.remat = schedule, remat
         self.replica, self.num_replicas = replica, num_replicas
-        k, m = schedule.num_stages, schedule.num_micro_batches
-        self.inputs = [[None] * m for _ in range(k)]  # What each stage reads, per micro-batch.
+        k, m = schedule.num_chunks, schedule.num_micro_batches
+        self.last_chunk = k - 1
+        self.inputs = [[None] * m for _ in range(k)]  # What each chunk reads, per micro-batch.
         self.kept = [[None] * m for _ in range(k)]  # Tapes, or inputs under remat.
-        self.upstream = [[None] * m for _ in range(k)]  # Gradient of each stage's output.
+        self.upstream = [[None] * m for _ in range(k)]  # Gradient of each chunk's output.
+        # A split backward: what the input-gradient pass (I) leaves to the weight pass (W).
+        self.split = any(a.kind == INPUT_GRAD for order in schedule.stage_orders for a in order)
+        self.for_weights = [[None] * m for _ in range(k)]
         # With a custom compute_loss, which reads model.losses at the last stage: each
         # earlier stage's call losses per micro-batch, and the gradient the last stage
         # sends back to them.
         self.call_losses = [[None] * m for _ in range(k)]
         self.aux_upstream = [[None] * m for _ in range(k)]
-        self.after = [[] for _ in range(k)]  # The outputs of each stage's previous action.
+        # The outputs of each device's previous action (a device runs its list in order).
+        self.after = [[] for _ in range(schedule.num_stages)]
         self.grads = {}  # id(variable) -> gradient summed so far.
         self.outputs = [None] * m  # The model's outputs, per micro-batch.
         self.losses = []  # Every loss term, scaled, for the reported loss.
         self.custom_loss = has_custom_compute_loss(model)
-        self.last_action = [order[-1] for order in schedule.stage_orders]
+        # Each chunk's last action: it adds the chunk's weight-regularizer gradients.
+        self.last_action = {a.stage: a for order in schedule.stage_orders for a in order
+                            if a.kind != FORWARD}
 
     # -- Building ------------------------------------------------------------------
 
@@ -221,8 +260,10 @@ class TrainStep:
             for action in execution_order(self.schedule):
                 if action.kind == FORWARD:
                     self._forward(action)
-                else:
+                elif action.kind in (BACKWARD, INPUT_GRAD):
                     self._backward(action)
+                else:
+                    self._weights(action)
         with tf.device(self.devices[-1]):
             loss = tf.add_n([tf.cast(l, tf.float32) for l in self.losses]) if self.losses else (
                 tf.constant(0.0))
@@ -247,14 +288,21 @@ class TrainStep:
 
     @contextlib.contextmanager
     def _in_order(self, action):
-        """Scope of one action: its stage's device, after the stage's previous action."""
+        """Scope of one action: its chunk's device, after that device's previous action."""
         with tf.name_scope(str(action)), tf.device(self.devices[action.stage]):
-            with tf.control_dependencies(self.after[action.stage]):
-                yield
+            with tf.control_dependencies(self.after[self.schedule.rank_of(action.stage)]):
+                # Marks where a backward part starts, for trace() (which reads gradient
+                # ops as B): the part's ops and the device's next action wait for it.
+                self._marker = (tf.timestamp(name="start")
+                                if self.split and action.kind != FORWARD else None)
+                with tf.control_dependencies([self._marker] if self._marker is not None
+                                             else []):
+                    yield
 
     def _done(self, action, tensors):
+        tensors = tensors + ([self._marker] if self._marker is not None else [])
         if tensors:
-            self.after[action.stage] = tensors
+            self.after[self.schedule.rank_of(action.stage)] = tensors
 
     def _scaled(self, tensor):
         optimizer = getattr(self.model, "optimizer", None)
@@ -264,7 +312,7 @@ class TrainStep:
         """Runs stage s on x. Returns (output for the next stage, differentiable targets)."""
         s, m = action.stage, action.micro_batch
         y = self.program.run(s, x, training=True)
-        last = s == self.schedule.num_stages - 1
+        last = s == self.last_chunk
         if self.custom_loss:
             aux = []
             if not last:
@@ -296,7 +344,7 @@ class TrainStep:
     def _loss(self, m, y_pred):
         model = self.model
         if self.custom_loss:
-            earlier = [self.call_losses[s][m] for s in range(self.schedule.num_stages - 1)]
+            earlier = [self.call_losses[s][m] for s in range(self.last_chunk)]
             if any(earlier):
                 if self.remat:
                     raise ValueError(
@@ -341,7 +389,7 @@ class TrainStep:
                 f"tfpar.DataParallelStrategy (exact for masked losses).")
 
     def _variables(self, s):
-        if self.custom_loss and s == self.schedule.num_stages - 1:
+        if self.custom_loss and s == self.last_chunk:
             # A custom compute_loss may read any variable (e.g. self.losses).
             return list(self.model.trainable_weights)
         return list(self.program.stages[s].trainable_variables)
@@ -368,8 +416,9 @@ class TrainStep:
             self.inputs[s + 1][m] = y
 
     def _backward(self, action):
+        """B (the whole backward) or I (its input-gradient part; W follows)."""
         s, m = action.stage, action.micro_batch
-        last = s == self.schedule.num_stages - 1
+        last = s == self.last_chunk
         done = []
         with self._in_order(action):
             upstream = None if last else self.upstream[s][m]
@@ -382,8 +431,26 @@ class TrainStep:
                 done += self._regularize(s)
         self._done(action, _tensors(done))
 
+    def _weights(self, action):
+        """W: the weight gradients of a backward whose input gradient I has sent; their
+        own ops start now."""
+        s, m = action.stage, action.micro_batch
+        done = []
+        with self._in_order(action):
+            if self.for_weights[s][m] is not None:
+                weights, deferred = self.for_weights[s][m]
+                start = self._marker.op
+                for op in deferred:
+                    internals.attr(op, "_add_control_input")(start)
+                done += self._add(self._variables(s), weights)
+            self.for_weights[s][m] = None
+            if action == self.last_action[s]:
+                done += self._regularize(s)
+        self._done(action, _tensors(done))
+
     def _vjp(self, action, upstream):
-        """Stage s's gradients for micro-batch m: sends the input's back, sums the variables'."""
+        """Chunk s's gradients for micro-batch m: sends the input's back; sums the
+        variables' (B), or leaves them to W (I)."""
         import keras
 
         s, m = action.stage, action.micro_batch
@@ -406,23 +473,33 @@ class TrainStep:
         inputs = _floats(x) if s > 0 else []
         variables = self._variables(s)
         earlier = self._earlier_aux(m) if self.custom_loss and upstream is None else []
+        graph = tf.compat.v1.get_default_graph()
+        made_before = len(graph.get_operations())
         grads = tape.gradient(targets, inputs + variables + earlier, output_gradients=seeds)
         if earlier:
             self._send_aux_gradients(m, grads[len(grads) - len(earlier):])
-            grads = grads[:len(grads) - len(earlier)]
+        sent = grads[:len(inputs)] + grads[len(grads) - len(earlier):] if earlier else (
+            grads[:len(inputs)])
+        weights = grads[len(inputs):len(inputs) + len(variables)]
         done = []
         if s > 0:
             self.upstream[s - 1][m] = grads[0] if inputs else None
             done += [g for g in grads[:len(inputs)] if g is not None]
-        return done + self._add(variables, grads[len(inputs):])
+        if action.kind == INPUT_GRAD:
+            # One gradient computation, no work twice: the ops only the weight gradients
+            # need wait for W's turn (W adds them a control input).
+            self.for_weights[s][m] = (weights, _only_for(
+                graph.get_operations()[made_before:], _tensors(weights), _tensors(sent)))
+            return done
+        return done + self._add(variables, weights)
 
     def _earlier_aux(self, m):
-        return [t for s in range(self.schedule.num_stages - 1)
+        return [t for s in range(self.last_chunk)
                 for _, losses in (self.call_losses[s][m] or ()) for t in losses]
 
     def _send_aux_gradients(self, m, grads):
         grads = list(grads)
-        for s in range(self.schedule.num_stages - 1):
+        for s in range(self.last_chunk):
             n = sum(len(losses) for _, losses in (self.call_losses[s][m] or ()))
             self.aux_upstream[s][m], grads = grads[:n], grads[n:]
 

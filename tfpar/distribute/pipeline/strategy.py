@@ -53,7 +53,7 @@ from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.placement import canonical_device
-from tfpar.errors import DeviceError, PlacementError
+from tfpar.errors import DeviceError, PlacementError, ScheduleError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.keras import stages as pipeline_stages
@@ -78,16 +78,23 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
       devices: device names, R x K of them: replica r uses devices[r*K:(r+1)*K].
         None: all GPUs, or all logical CPUs without GPUs.
       num_micro_batches: M, micro-batches per batch (per pipeline replica).
-      schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (one forward
-        one backward: at most K micro-batches in flight per stage).
+      schedule: "gpipe" (all forwards, then all backwards), "1f1b" (one forward
+        one backward: at most K micro-batches in flight per stage), "interleaved_1f1b"
+        (Megatron's: `virtual_stages` chunks per device, the bubble divided by them),
+        "zero_bubble_h1" (backwards split into input and weight gradients, the weight
+        part filling the bubble), or a `tfpar.plan.schedule.Schedule` of your own
+        (validated by a dry run before it runs).
       remat: recompute each stage's activations in its backward instead of
         keeping them (GPipe's rematerialization).
       num_replicas: R, pipeline replicas (data parallelism over pipelines).
       num_stages: K; None: len(devices) / num_replicas. With
-        `tfpar.layers.StageBoundary` markers the model must make K stages.
+        `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
+      virtual_stages: v, model chunks per device (interleaved schedules): the model is
+        cut into K x v chunks, chunk c on stage c % K.
 
     Raises:
-      ScheduleError: `num_micro_batches` < 1 or an unknown `schedule`.
+      ScheduleError: `num_micro_batches` < 1, an unknown `schedule`, or a `Schedule`
+        that does not fit or fails its dry run (the message shows where).
       DeviceError: bad devices, or R x K is not the number of devices.
 
     Example:
@@ -108,15 +115,15 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     _tfpar_mirrored = True
 
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
-                 num_replicas=1, num_stages=None):
+                 num_replicas=1, num_stages=None, virtual_stages=1):
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
-        # Validates M and the schedule's name before anything touches devices.
-        schedule_lib.make_schedule(schedule, 1, num_micro_batches)
+        # Validates M and the schedule before anything touches devices.
+        if not isinstance(schedule, schedule_lib.Schedule):
+            schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
         resolved = devices_lib.resolve_devices(devices)
         num_stages = _stage_count(len(resolved), num_replicas, num_stages)
-        self._schedule = schedule_lib.make_schedule(schedule, num_stages, num_micro_batches)
-        schedule_lib.validate(self._schedule)
+        self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
         self._grid = tuple(resolved[r * num_stages:(r + 1) * num_stages]
                            for r in range(num_replicas))
@@ -134,8 +141,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         keras_hooks.install_crash_safe_backups()
 
     def __repr__(self):
+        virtual = self._schedule.virtual_stages
         return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="
                 f"{self.num_micro_batches}, schedule={self._schedule.name!r}, "
+                f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
                 f"remat={self._remat}, replicas={len(self._grid)})")
 
     @property
@@ -157,6 +166,12 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def stage_devices(self):
         """`stage_devices[r][s]`: the device of stage s in pipeline replica r (canonical)."""
         return self._grid
+
+    def chunk_devices(self, replica=0):
+        """The device of each model chunk in pipeline replica `replica` (one chunk per
+        stage, or `virtual_stages` per stage, chunk c on stage c % K)."""
+        row = self._grid[replica]
+        return [row[self._schedule.rank_of(c)] for c in range(self._schedule.num_chunks)]
 
     @property
     def communication(self):
@@ -238,10 +253,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
                     self, model, getattr(model, "_tfpar_pipeline", None) is not None,
                     "it cannot be cut into stages"):
                 return
-            program = pipeline_stages.build_program(model, self.num_stages)
+            program = pipeline_stages.build_program(model, self._schedule.num_chunks)
             with tf.init_scope(), self._creating_variables():
                 for stage in program.stages:
-                    devices = [row[stage.index] for row in self._grid]
+                    devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
                     for variable in stage.placed_variables:
                         mirrored_placement.move_copies(variable, devices)
                 for variables, device in pipeline_stages.pinned_variables(program):
@@ -279,7 +294,7 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         self._place(model)
         replica = replica_id()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self._grid[replica],
+        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self.chunk_devices(replica),
                                        self._schedule, self._remat, replica, len(self._grid))
         with own_loss_normalization():
             loss, y_pred, grads = step(x, y, sample_weight)
@@ -300,7 +315,7 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
     replica = replica_id()
-    return pipeline_exec.forward(model._tfpar_pipeline, strategy.stage_devices[replica],
+    return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
                                  strategy.num_micro_batches, inputs, training)
 
 
@@ -310,6 +325,27 @@ class _Copies:
 
     def __init__(self, devices):
         self._devices = tuple(devices)
+
+
+def _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages):
+    """The validated schedule: built from its name, or a user's `Schedule`, which must
+    fit the strategy (its stages, micro-batches and virtual stages)."""
+    if not isinstance(schedule, schedule_lib.Schedule):
+        built = schedule_lib.make_schedule(schedule, num_stages, num_micro_batches,
+                                           virtual_stages)
+        schedule_lib.validate(built)
+        return built
+    for what, theirs, ours in (("num_stages", schedule.num_stages, num_stages),
+                               ("num_micro_batches", schedule.num_micro_batches,
+                                num_micro_batches),
+                               ("virtual_stages", schedule.virtual_stages, virtual_stages)):
+        if theirs != ours:
+            raise ScheduleError(
+                f"The schedule {schedule.name!r} has {what}={theirs}, but the strategy has "
+                f"{what}={ours}: pass {what}={theirs} to PipelineStrategy, or build the "
+                f"schedule for {ours}.")
+    schedule_lib.validate(schedule)
+    return schedule
 
 
 def _stage_count(num_devices, num_replicas, num_stages):
