@@ -13,7 +13,8 @@ class MeshStrategy:
     names, each device holding its piece (tensor parallelism: a `Dense` kernel split by
     output columns computes without communication, by input rows with one all-reduce);
     each batch is split along `batch_dim_name` (data parallelism; gradients of a variable
-    are reduced over that axis only). Equivalent to `keras.distribution.set_distribution(ModelParallel(layout_map=...))`
+    are reduced over that axis only). Equivalent to
+    `keras.distribution.set_distribution(ModelParallel(layout_map=...))`
     after `tfpar.use_keras_distribution()`; for data parallelism use
     `keras.distribution.DataParallel` or `tfpar.DataParallelStrategy`. Not a
     `tf.distribute.Strategy`: `model.fit` is how it trains.

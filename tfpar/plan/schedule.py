@@ -351,9 +351,10 @@ def _check_passes(s, position, c, m):
     has_split = [a in position for a in split]
     missing = [a for a in (forward,) if a not in position]
     if backward in position and any(has_split):
+        both = " ".join(str(a) for a, h in zip(split, has_split) if h)
         raise ScheduleError(
-            f"Stage {s} runs {backward} and {' '.join(str(a) for a, h in zip(split, has_split) if h)}"
-            f": a backward is either whole (B) or split into I and W, not both.")
+            f"Stage {s} runs {backward} and {both}: a backward is either whole (B) or split "
+            f"into I and W, not both.")
     if backward not in position and not all(has_split):
         missing += [backward] if not any(has_split) else [
             a for a, h in zip(split, has_split) if not h]
@@ -405,8 +406,8 @@ def _simulate(schedule, costs):
              if done_upto[s] < len(order)]
     if stuck:
         waits = "; ".join(
-            f"stage {s} at {action} (waits for "
-            f"{', '.join(str(n) for n in _dependencies(action, schedule, senders) if n not in spans)})"
+            f"stage {s} at {action} (waits for " + ", ".join(
+                str(n) for n in _dependencies(action, schedule, senders) if n not in spans) + ")"
             for s, action in stuck)
         raise ScheduleError(
             f"Schedule {schedule.name!r} would deadlock: {waits}. A forward needs "
