@@ -152,3 +152,35 @@ def write_json(path, result):
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
+
+
+def two_stream_ceiling(rows, inner, outer, rounds, steps, devices=("/cpu:0", "/cpu:1")):
+    """How many times one stream's throughput two concurrent streams get, one per device
+    (a stream: a rows x inner by inner x outer product, forward and both backward
+    products): 2.0 on two real devices; on these CPUs, less (shared memory bandwidth)."""
+    import statistics
+    import time
+
+    import tensorflow as tf
+
+    a = tf.random.normal([rows, inner])
+    b = tf.random.normal([inner, outer])
+
+    def work(device):
+        with tf.device(device):
+            h = tf.matmul(a, b)
+            return tf.reduce_sum(tf.matmul(h, b, transpose_b=True)) + tf.reduce_sum(
+                tf.matmul(a, h, transpose_a=True))
+
+    one = tf.function(lambda: work(devices[0]))
+    two = tf.function(lambda: work(devices[0]) + work(devices[1]))
+    times = {one: [], two: []}
+    for f in times:
+        f()
+    for _ in range(rounds):
+        for f in times:
+            start = time.perf_counter()
+            for _ in range(steps):
+                f().numpy()
+            times[f].append(time.perf_counter() - start)
+    return 2 * statistics.median(times[one]) / statistics.median(times[two])

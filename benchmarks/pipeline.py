@@ -31,7 +31,16 @@ GPipe step and one 1F1B step.
 
     python benchmarks/pipeline.py [--micro_batch 1024] [--num_micro_batches 8] [--rounds 5]
 
-Prints a table and writes JSON (default benchmarks/results/pipeline.json).
+With `--schedules`, the schedules past 1F1B instead, side by side at K=2 M=4 (the same
+MLP, 2 logical CPUs, one core each): 1F1B, interleaved 1F1B (2 virtual stages) and
+zero-bubble H1, each step time against 1F1B's, each schedule's dry-run bubble next to
+the idle time of each stage measured from a profiled step (traces and pictures in
+benchmarks/results/), and, in the same run, the two-stream ceiling of these CPUs.
+
+    python benchmarks/pipeline.py --schedules [--micro_batch 1024] [--rounds 5]
+
+Prints a table and writes JSON (default benchmarks/results/pipeline.json, with
+--schedules pipeline_schedules.json).
 """
 
 import argparse
@@ -58,8 +67,16 @@ def parse_args():
     parser.add_argument("--remat", action="store_true", help="also time GPipe with remat")
     parser.add_argument("--trace", default=os.path.join(RESULTS, "pipeline_trace.json"),
                         help="Chrome trace of one GPipe step (a .png is written next to it)")
+    parser.add_argument("--schedules", action="store_true",
+                        help="compare 1F1B, interleaved and zero-bubble H1 at K=2 M=4")
     add_common_args(parser, width=1024, layers=8, steps=2, rounds=5, out_name="pipeline.json")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.schedules:
+        if "--num_micro_batches" not in " ".join(os.sys.argv):
+            args.num_micro_batches = 4
+        if "--out" not in " ".join(os.sys.argv):
+            args.out = os.path.join(RESULTS, "pipeline_schedules.json")
+    return args
 
 
 def make_model(args):
@@ -176,8 +193,79 @@ def peak_bytes(step):
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
+def idle_per_stage(events, num_stages):
+    """Per stage, the fraction of the traced step (first action's start to last one's
+    end) in which it ran none of its actions."""
+    spans = [e for e in events if e["ph"] == "X"]
+    start = min(e["ts"] for e in spans)
+    length = max(e["ts"] + e["dur"] for e in spans) - start
+    return [round(1 - sum(e["dur"] for e in spans if e["tid"] == s) / length, 3)
+            for s in range(num_stages)]
+
+
+SCHEDULES = {  # name: (schedule, virtual stages)
+    "1F1B": ("1f1b", 1),
+    "interleaved v=2": ("interleaved_1f1b", 2),
+    "ZB-H1": ("zero_bubble_h1", 1),
+    "ZB-H1 v=2": ("zero_bubble_h1", 2),
+}
+
+
+def compare_schedules(args):
+    """1F1B, interleaved and zero-bubble side by side (see the module docstring)."""
+    import tfpar
+
+    tfpar.virtual_cpus(2, one_core_each=True)
+    import tensorflow as tf
+
+    from _common import two_stream_ceiling
+    from tfpar.plan.schedule import bubble_fraction
+
+    m = args.num_micro_batches
+    data = batch(m * args.micro_batch, args.width)
+    built = build({name: (lambda s=s, v=v: tfpar.PipelineStrategy(
+        DEVICES, num_micro_batches=m, schedule=s, virtual_stages=v))
+        for name, (s, v) in SCHEDULES.items()}, args, data)
+    times = time_rounds({n: b[2] for n, b in built.items()}, args.rounds, args.steps)
+    step = {name: statistics.median(t) for name, t in times.items()}
+    ceiling = two_stream_ceiling(args.micro_batch, args.width, args.width, args.rounds,
+                                 args.steps)
+    rows, traces = {}, {}
+    for name, (strategy, model, _) in built.items():
+        path = os.path.join(RESULTS, "pipeline_" + name.lower().replace(" ", "_").replace(
+            "=", "") + ".json")
+        events = strategy.trace(path, model, *data)
+        traces[name] = os.path.relpath(path[:-5] + ".png")
+        rows[name] = {"step_ms": round(step[name] * 1000, 1),
+                      "speedup_vs_1F1B": round(step["1F1B"] / step[name], 3),
+                      "dry_run_bubble": round(bubble_fraction(strategy.schedule), 3),
+                      "idle_per_stage_traced": idle_per_stage(events, 2),
+                      "chunks": strategy.stages(model)}
+    result = {
+        "benchmark": "pipeline_schedules",
+        "command": command_line("pipeline", args).replace(f" --trace={args.trace}", "")
+        .replace(" --remat=False", "").replace(" --schedules=True", " --schedules"),
+        "model": f"MLP {args.layers}x{args.width} + 10-way head, SGD, Keras train step",
+        "devices": "2 logical CPUs, one thread per op (intra-op 1)",
+        "global_batch": m * args.micro_batch, "micro_batch": args.micro_batch,
+        "two_stream_ceiling": round(ceiling, 3), "rows": rows, "traces": traces,
+        "tensorflow": tf.__version__, "host": platform.node(),
+        "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()}}
+    print(f"{result['model']}, K=2 M={m} x {args.micro_batch} rows, {result['devices']}, "
+          f"median of {args.rounds} rounds x {args.steps} steps; two-stream ceiling "
+          f"{result['two_stream_ceiling']}x")
+    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} {'idle s0, s1 (trace)':>20s}")
+    for name, row in rows.items():
+        print(f"{name:18s} {row['step_ms']:8.1f} {row['speedup_vs_1F1B']:8.3f} "
+              f"{row['dry_run_bubble']:7.3f} {str(row['idle_per_stage_traced']):>20s}")
+    print("traces:", traces)
+    write_json(args.out, result)
+
+
 def main():
     args = parse_args()
+    if args.schedules:
+        return compare_schedules(args)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     worker = context.Process(target=one_core_worker, args=(child, args), daemon=True)

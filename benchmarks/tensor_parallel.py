@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import write_json  # noqa: E402
+from _common import two_stream_ceiling, write_json  # noqa: E402
 
 
 def parse_args():
@@ -80,35 +80,6 @@ def runner(model, args):
         for _ in range(args.steps):
             model.train_on_batch(x, y)
     return run
-
-
-def ceiling(args, rounds):
-    """How many times one stream's throughput two concurrent streams get, one on each
-    device (a stream: one device's share of the block's up-projection, tokens x hidden by
-    hidden x ff/2, forward and both backward products): 2.0 on two real devices."""
-    import tensorflow as tf
-
-    a = tf.random.normal([args.tokens, args.hidden])
-    b = tf.random.normal([args.hidden, args.ff // 2])
-
-    def work(device):
-        with tf.device(device):
-            h = tf.matmul(a, b)
-            return tf.reduce_sum(tf.matmul(h, b, transpose_b=True)) + tf.reduce_sum(
-                tf.matmul(a, h, transpose_a=True))
-
-    one = tf.function(lambda: work("/cpu:0"))
-    two = tf.function(lambda: work("/cpu:0") + work("/cpu:1"))
-    times = {"one stream": [], "two streams": []}
-    for f in (one, two):
-        f()
-    for _ in range(rounds):
-        for name, f in (("one stream", one), ("two streams", two)):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                f().numpy()
-            times[name].append(time.perf_counter() - start)
-    return 2 * statistics.median(times["one stream"]) / statistics.median(times["two streams"])
 
 
 def count_collectives(args):
@@ -171,7 +142,9 @@ def main():
                  f"-> {args.hidden}, SGD, {args.tokens} rows",
         "step_ms": {name: round(s * 1000, 2) for name, s in step.items()},
         "speedup": round(step["one device"] / step["tensor parallel (1, 2)"], 3),
-        "two_stream_ceiling": round(ceiling(args, args.rounds), 3),
+        # One device's share of the block's up-projection per stream.
+        "two_stream_ceiling": round(two_stream_ceiling(
+            args.tokens, args.hidden, args.ff // 2, args.rounds, args.steps), 3),
         "all_reduces_per_step_per_device": all_reduces,
         "bytes_sent_per_step_per_device": layouts.ring_all_reduce_bytes(activation, 2)
         * all_reduces,

@@ -595,3 +595,92 @@ def test_a_custom_schedule_object_runs_after_its_dry_run(data, reference_steps):
     stuck = Schedule.from_strings(["0F0 0B0 0F1 0B1", "1F1 1F0 1B0 1B1"], 2)
     with pytest.raises(ScheduleError, match=r"(?s)would deadlock.*stage 1: >>1F1 1F0 1B0 1B1"):
         tfpar.PipelineStrategy(cpus(2), num_micro_batches=2, schedule=stuck)
+
+
+class _Heavy(keras.layers.Layer):
+    """No parameters, much work whatever the batch: products of 512 x 512 matrices."""
+
+    def call(self, x):
+        y = tf.tile(x, [1, 8])
+        g = tf.matmul(y, y, transpose_a=True) / 1e3
+        for _ in range(3):
+            g = tf.tanh(tf.matmul(g, g) / 512.0)
+        return tf.matmul(y, g)[:, :64]
+
+
+def heavy_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(64, name="wide"),
+                             _Heavy(name="heavy"),
+                             keras.layers.Dense(64, activation="tanh", name="a"),
+                             keras.layers.Dense(64, activation="tanh", name="b"),
+                             keras.layers.Dense(3, name="head")])
+
+
+def test_balancing_by_time_evens_out_measured_time_not_parameters(data):
+    """A parameter-free layer that does most of the work: balanced by parameters it
+    shares a stage with the two hidden layers; balanced by time (each layer timed on a
+    CPU the strategy does not use) it ends stage 0. The cut reads the first layer's
+    time without the input gradient it never sends. Training equals the unsplit model,
+    each variable on its stage's device."""
+    from tfpar.keras import stages as stages_lib
+
+    x, y = data
+    seen = []
+    program = stages_lib.build_program(
+        heavy_mlp(), 2, lambda layer, first: seen.append((layer.name, first)) or (
+            10.0 if layer.name == "heavy" else 1.0))
+    assert seen == [("wide", True), ("heavy", False), ("a", False), ("b", False),
+                    ("head", False)]
+    assert [s.layer_names for s in program.stages] == [["wide", "heavy"], ["a", "b", "head"]]
+
+    reference = compiled(heavy_mlp())
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    by_params = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2)
+    by_time = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2, balance_by="time")
+    assert by_params.stages(pipelined(by_params, heavy_mlp))[0] == ["wide", "heavy", "a"]
+    model = pipelined(by_time, heavy_mlp)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert by_time.stages(model) == [["wide", "heavy"], ["a", "b", "head"]]
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+    assert [device_index(model.get_layer(n).kernel.value.device) for n in ("wide", "a")] == [
+        0, 1]
+    with pytest.raises(PlacementError, match="balance_by must be 'params' or 'time'"):
+        tfpar.PipelineStrategy(cpus(2), balance_by="bytes")
+    with pytest.raises(PlacementError, match="uses every CPU of this host"):
+        tfpar.PipelineStrategy(cpus(len(tf.config.list_logical_devices("CPU"))),
+                               balance_by="time")
+
+
+def nested_mlp():
+    """A functional model whose middle is a nested Sequential of three layers."""
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(16, activation="tanh", name="n1"),
+                              keras.layers.Dense(16, activation="tanh", name="n2"),
+                              keras.layers.Dense(16, activation="tanh", name="n3")],
+                             name="block")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(16, activation="tanh", name="stem")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(block(hidden)))
+
+
+def test_stages_are_cut_inside_a_nested_model(data, tmp_path):
+    """A nested Sequential is cut through: its layers fall into different stages (on
+    different devices); training equals the unsplit model, and the saved model is the
+    nested one, loading on one device."""
+    x, y = data
+    reference = compiled(nested_mlp(), adam())
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=2, schedule="1f1b")
+    model = pipelined(strategy, nested_mlp, adam)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert strategy.stages(model) == [["stem", "n1"], ["n2", "n3", "head"]]
+    block = model.get_layer("block")
+    assert [device_index(block.get_layer(n).kernel.value.device) for n in ("n1", "n3")] == [0, 1]
+    assert_weights_equal(model.get_weights(), reference.get_weights())
+    model.save(tmp_path / "nested.keras")
+    loaded = keras.models.load_model(tmp_path / "nested.keras")
+    assert isinstance(loaded.get_layer("block"), keras.Sequential)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               atol=1e-6)

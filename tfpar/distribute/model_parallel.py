@@ -63,15 +63,14 @@ Combinations with data parallelism:
 
 import dataclasses
 import math
-import statistics
 import threading
-import time
 import types
 import weakref
 
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
+from tfpar.distribute import layer_timing
 from tfpar.distribute import placement as placement_lib
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, is_model, mark_placed
 from tfpar.errors import PlacementError
@@ -468,7 +467,8 @@ def _layer_costs(layers, slots, batch_size, timing_device=None):
                                  if id(w) in trainable)
         activation_bytes = _output_elements(layer) * batch_size * _dtype_bytes(
             layer.compute_dtype)
-        seconds = _measure(layer, batch_size, timing_device) if timing_device else 0.0
+        seconds = (layer_timing.layer_seconds(layer, batch_size, timing_device)
+                   if timing_device else 0.0)
         costs.append(plan.LayerCost(layer.name, params, weight_bytes, slot_bytes,
                                     activation_bytes, seconds))
     return costs
@@ -513,60 +513,12 @@ def _output_elements(layer):
     return sum(math.prod(d or 1 for d in shape[1:]) for shape in shapes)
 
 
-def _measure(layer, batch_size, device, repeats=3):
-    """Median seconds of one forward and backward of `layer` on zeros, on `device`."""
-    import keras
-
-    nodes = internals.attr(layer, "_inbound_nodes")
-    build_shapes = internals.attr(layer, "_build_shapes_dict")
-    if nodes:
-        args, kwargs = nodes[-1].arguments.args, nodes[-1].arguments.kwargs
-    elif build_shapes and len(build_shapes) == 1:
-        shape = next(iter(build_shapes.values()))
-        args, kwargs = (tf.TensorSpec((None,) + tuple(shape[1:]), layer.input_dtype),), {}
-    else:
-        raise PlacementError(
-            f"Cannot time layer {layer.name!r}: its input shape is unknown. Use "
-            f"balance_by='bytes' or 'params'.")
-
-    def zeros(t):  # Inputs of the planned batch size; other arguments unchanged.
-        if hasattr(t, "shape") and hasattr(t, "dtype"):
-            return tf.zeros((batch_size,) + tuple(t.shape[1:]), t.dtype)
-        return t
-
-    with tf.init_scope(), tf.device(device):
-        call_args, call_kwargs = keras.tree.map_structure(zeros, (tuple(args), dict(kwargs)))
-
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                outputs = layer(*call_args, **call_kwargs)
-                loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
-                                 for o in tf.nest.flatten(outputs)])
-            return tape.gradient(loss, layer.trainable_weights) if layer.trainable_weights \
-                else loss
-
-        step()  # Trace and warm up.
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 def _timing_device(devices, placement, balance_by):
     """Where balance_by='time' runs the layers: a CPU that is none of the strategy's
     devices (a device of the strategy would hold variables that later move away)."""
     if balance_by != "time" or placement != "balanced":
         return None
-    device = devices_lib.spare_cpu(devices)
-    if device is None:
-        raise PlacementError(
-            f"balance_by='time' times each layer on a CPU that is not one of the strategy's "
-            f"devices, but the strategy uses every CPU of this host ({len(devices)}). Leave "
-            f"a CPU out of devices, or use balance_by='bytes' or 'params'.")
-    return device
+    return layer_timing.timing_device(devices, "balance_by='bytes' or 'params'")
 
 
 def _number(obj, name):

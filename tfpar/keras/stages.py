@@ -47,9 +47,11 @@ class Stage:
 class StageProgram:
     """A model's stages, and how to run one of them."""
 
-    def __init__(self, graph, stages):
+    def __init__(self, graph, stages, model_graph=None):
         self.graph = graph  # The keras Functional the nodes belong to.
         self.stages = tuple(stages)
+        # The model's own graph (its input structure), when `graph` is it flattened.
+        self.model_graph = model_graph if model_graph is not None else graph
 
     @property
     def num_stages(self):
@@ -67,7 +69,7 @@ class StageProgram:
 
     def standardize(self, inputs):
         """The model's inputs as the flat list stage 0 takes (like Functional.call)."""
-        return list(internals.attr(self.graph, "_standardize_inputs")(inputs))
+        return list(internals.attr(self.model_graph, "_standardize_inputs")(inputs))
 
     def run(self, index, inputs, training):
         """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
@@ -153,6 +155,44 @@ def functional_graph(model):
         f"subclassed layers are fine), or use tfpar.ModelParallelStrategy.")
 
 
+def _nested_graph(operation):
+    """The Functional of a nested Sequential or functional model; None for a layer."""
+    import keras
+
+    if isinstance(operation, keras.Sequential):
+        return internals.attr(operation, "_functional")
+    if isinstance(operation, internals.symbol("keras.src.models.functional.Functional")):
+        return operation
+    return None
+
+
+def flattened(graph):
+    """`graph` with every nested Sequential or functional model replaced by its own
+    layers (the same layer objects: the same variables), so stages may be cut inside
+    them. `graph` itself when nothing is nested."""
+    import keras
+
+    if not any(_nested_graph(n.operation) is not None for n in _ordered_nodes(graph)):
+        return graph
+
+    def operation_fn(operation):
+        inner = _nested_graph(operation)
+        if inner is None:
+            return operation
+
+        def run(*args, **kwargs):  # Its layers, one by one, on the symbolic inputs.
+            # (Flat, in the nested model's input order; standardizing would add a
+            # convert_to_tensor node to the graph.)
+            flat = keras.tree.flatten(args[0] if len(args) == 1 else list(args))
+            return internals.attr(inner, "_run_through_graph")(flat, operation_fn=operation_fn)
+        return run
+
+    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in graph.inputs]
+    outputs = internals.attr(graph, "_run_through_graph")(inputs, operation_fn=operation_fn)
+    return internals.symbol("keras.src.models.functional.Functional")(
+        inputs, outputs, name=f"{graph.name}_flattened")
+
+
 def _ordered_nodes(graph):
     nodes_by_depth = internals.attr(graph, "_nodes_by_depth")
     return [node for depth in sorted(nodes_by_depth, reverse=True)
@@ -179,11 +219,14 @@ def _producer_name(tensor):
     return internals.attr(tensor, "_keras_history").operation.name
 
 
-def build_program(model, num_stages):
-    """Cuts a built Sequential or functional `model` into `num_stages` stages."""
+def build_program(model, num_stages, time_layer=None):
+    """Cuts a built Sequential or functional `model` into `num_stages` stages (inside
+    nested Sequential and functional models too), balanced by parameters, or by time: `time_layer(layer, first)` gives a layer's seconds (`first`:
+    it is the model's first, which sends no input gradient back)."""
     from tfpar.layers.stage_boundary import StageBoundary
 
-    graph = functional_graph(model)
+    model_graph = functional_graph(model)
+    graph = flattened(model_graph)
     nodes = _ordered_nodes(graph)
     names = [f"layer {node.operation.name!r}" for node in nodes]
     tensors = {id(t): t for node in nodes for t in list(node.input_tensors) + list(node.outputs)}
@@ -208,7 +251,10 @@ def build_program(model, num_stages):
                 f"to a point where a single tensor flows, e.g. after the layer that joins "
                 f"the branches.")
     seen = set()
-    costs = [_params(node.operation, seen) for node in nodes]
+    if time_layer is not None:
+        costs = [time_layer(node.operation, i == 0) for i, node in enumerate(nodes)]
+    else:
+        costs = [_params(node.operation, seen) for node in nodes]
     if not any(costs):
         costs = [1] * len(nodes)
     ranges = stages_plan.stage_ranges(costs, num_stages, cuts, boundaries, names)
@@ -235,7 +281,7 @@ def build_program(model, num_stages):
             layers=layers, trainable_variables=trainable,
             placed_variables=tuple(_distinct(own_variables)), regularized_layers=tuple(regularized),
             seed_variables=seeds))
-    return StageProgram(graph, stages)
+    return StageProgram(graph, stages, model_graph)
 
 
 def _is_pinned(layer):

@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from tfpar import devices as devices_lib
 from tfpar.distribute import group_keys
+from tfpar.distribute import layer_timing
 from tfpar.distribute import mirrored_placement
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
@@ -91,6 +92,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
       virtual_stages: v, model chunks per device (interleaved schedules): the model is
         cut into K x v chunks, chunk c on stage c % K.
+      balance_by: what the cut evens out between stages (without StageBoundary
+        markers): "params" (parameters, frozen ones included) or "time" (each layer's
+        forward and backward timed on one micro-batch, the first layer without the input
+        gradient it never sends; on a CPU the strategy does not use).
 
     Raises:
       ScheduleError: `num_micro_batches` < 1, an unknown `schedule`, or a `Schedule`
@@ -115,9 +120,12 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     _tfpar_mirrored = True
 
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
-                 num_replicas=1, num_stages=None, virtual_stages=1):
+                 num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params"):
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
+        if balance_by not in ("params", "time"):
+            raise PlacementError(f"balance_by must be 'params' or 'time'. Received: "
+                                 f"balance_by={balance_by!r}")
         # Validates M and the schedule before anything touches devices.
         if not isinstance(schedule, schedule_lib.Schedule):
             schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
@@ -125,6 +133,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         num_stages = _stage_count(len(resolved), num_replicas, num_stages)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
+        self._balance_by = balance_by
+        self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
+                               if balance_by == "time" else None)
+        self._micro_batch_rows = None  # Timing's micro-batch: the first batch's, else 32.
         self._grid = tuple(resolved[r * num_stages:(r + 1) * num_stages]
                            for r in range(num_replicas))
         given = [devices] if isinstance(devices, str) else (
@@ -253,7 +265,9 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
                     self, model, getattr(model, "_tfpar_pipeline", None) is not None,
                     "it cannot be cut into stages"):
                 return
-            program = pipeline_stages.build_program(model, self._schedule.num_chunks)
+            program = pipeline_stages.build_program(
+                model, self._schedule.num_chunks,
+                self._time_layer if self._balance_by == "time" else None)
             with tf.init_scope(), self._creating_variables():
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
@@ -267,6 +281,17 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
             mark_placed(self, model)
+
+    def _time_layer(self, layer, first):
+        """Seconds of `layer`'s forward and backward on one micro-batch (with the input
+        gradient unless it is the model's first layer), timed on a CPU the strategy does
+        not use; its variables get their storage there, and move once when placed."""
+        with tf.init_scope(), self._creating_variables():
+            for variable in layer.variables:
+                if variable_birth.has_no_storage(variable):
+                    variable_birth.materialize(variable, [self._timing_device] * len(self._grid))
+        return layer_timing.layer_seconds(layer, self._micro_batch_rows or 32,
+                                          self._timing_device, input_gradient=not first)
 
     def _tfpar_xla_refusal(self, model):
         # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
@@ -291,6 +316,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def _tfpar_train_step(self, model, data):
         import keras
 
+        if self._micro_batch_rows is None:  # Known now, for balance_by="time".
+            first = next((t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)), None)
+            if first is not None and first.shape.rank and first.shape[0] is not None:
+                self._micro_batch_rows = max(1, int(first.shape[0]) // self.num_micro_batches)
         self._place(model)
         replica = replica_id()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
