@@ -19,7 +19,11 @@ import re
 
 _FORWARD_COLOR = (66, 122, 183)
 _BACKWARD_COLOR = (230, 140, 50)
+_INPUT_GRAD_COLOR = (200, 80, 60)
+_WEIGHT_GRAD_COLOR = (120, 90, 170)
 _OTHER_COLOR = (120, 120, 120)
+_COLORS = {"F": ("forward", _FORWARD_COLOR), "B": ("backward", _BACKWARD_COLOR),
+           "I": ("input grad", _INPUT_GRAD_COLOR), "W": ("weight grad", _WEIGHT_GRAD_COLOR)}
 
 
 _ACTION_OP = re.compile(r"^(?:gradient_tape/)?pipeline_r(\d+)(?:_\d+)?/(\d+)([FBIW])(\d+)/")
@@ -159,16 +163,17 @@ def draw_timeline(path, spans, row_names, title, width=1400):
     for label, row, start, end in spans:
         y0 = top + row * row_height + gap / 2
         x0, x1 = x_of((start - origin) * 1e3), x_of((end - origin) * 1e3)
-        kind = "F" if "F" in label else "B" if "B" in label else ""
-        color = {"F": _FORWARD_COLOR, "B": _BACKWARD_COLOR}.get(kind, _OTHER_COLOR)
+        kind = re.sub(r"\d", "", label)
+        color = _COLORS.get(kind, ("", _OTHER_COLOR))[1]
         draw.rectangle([x0, y0, max(x1, x0 + 1), y0 + row_height - gap], fill=color,
                        outline="white")
         if x1 - x0 > 8 * len(label):
             draw.text((x0 + 3, y0 + row_height / 2 - 10), label, fill="white", font=small)
     legend_y = top - 22
-    for i, (name, color) in enumerate((("forward", _FORWARD_COLOR),
-                                       ("backward", _BACKWARD_COLOR))):
-        x = width - right - 200 + i * 100
+    kinds = sorted({re.sub(r"\d", "", label) for label, _, _, _ in spans} & set(_COLORS),
+                   key="FBIW".index)
+    for i, (name, color) in enumerate(_COLORS[k] for k in kinds):
+        x = width - right - 100 * len(kinds) + i * 100
         draw.rectangle([x, legend_y, x + 14, legend_y + 12], fill=color)
         draw.text((x + 18, legend_y - 1), name, fill="black", font=small)
     image.save(path)
