@@ -46,10 +46,13 @@ STRATEGIES = {
                                                 schedule="1f1b"),
     "zero2": lambda: tfpar.DataParallelStrategy(cpus(2), shard="gradients"),
     "zero3": lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
+    "zb": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4,
+                                         schedule="zero_bubble_h1"),
 }
-# Strategies run on every feature; "zero2" runs on a representative subset
-# (expected.ZERO2_FEATURES: stage 3 shares its code and runs on all).
-STRATEGY_IDS = [s for s in STRATEGIES if s != "zero2"]
+# Strategies run on every feature; "zero2" and "zb" (zero-bubble H1: the backward split
+# into input and weight gradients) run on representative subsets (expected.ZERO2_FEATURES,
+# expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their code and run on all).
+STRATEGY_IDS = [s for s in STRATEGIES if s not in ("zero2", "zb")]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
 # a Megatron pair, column then row (a representative subset of features,
@@ -71,9 +74,9 @@ STRATEGIES[MESH] = _mesh_strategy
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
-            "zero2": 2, "zero3": 2, MESH: 1}
+            "zero2": 2, "zero3": 2, "zb": 1, MESH: 1}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
-                 "zero2": 1, "zero3": 1, MESH: 1}
+                 "zero2": 1, "zero3": 1, "zb": 4, MESH: 1}
 
 
 def make_strategy(sid):
