@@ -340,6 +340,10 @@ _COLLECTIVE = re.compile(r"CollectiveReduceV2 group_size (\d+) group_key (\d+) .
                          r"shape \[([\d,]*)\] device .*device:CPU:(\d+)")
 
 
+_LAUNCH = re.compile(r"Collective ExecuteAsync start for (?:tf.StatefulPartitionedCall/)?"
+                     r"(\S+?)/(?:MatMul|GatherV2)/\S*?(AllReduce|AllGather)\S*: .*device:CPU:(\d+)")
+
+
 def _collectives_by_phase(*meshes):
     """{(mesh, phase): [(group key, shape, device)]} of the all-reduces TensorFlow logs
     launching while `tests/workers/mesh_collectives.py` trains an MLP block on `meshes`."""
@@ -354,6 +358,9 @@ def _collectives_by_phase(*meshes):
         if line.startswith("PHASE "):
             phase = tuple(line.split()[1:])
             found[phase] = []
+        elif phase and phase[0] == "gemma":
+            if match := _LAUNCH.search(line):
+                found[phase].append(match.groups())  # (layer path, kind, device)
         elif phase and (match := _COLLECTIVE.search(line)):
             _, key, shape, device = match.groups()
             found[phase].append((int(key), tuple(int(n) for n in shape.split(",") if n),
@@ -381,7 +388,17 @@ def test_collectives_of_an_mlp_block_on_tensor_data_and_2d_meshes():
     - (2, 2): forward all-reduces over the model axis only ({0, 1}, {2, 3}) of 8-row
       activations, i.e. each data replica computes half the batch; a training step adds
       the gradient reduction over the data axis only ({0, 2}, {1, 3})."""
-    found = _collectives_by_phase("2,2", "1,2", "2,1")
+    found = _collectives_by_phase("2,2", "1,2", "2,1", "gemma")
+    # keras-hub's Gemma under its own layout map, one forward pass: per decoder block and
+    # device one all-reduce after its MLP (ffw_linear, row parallel) and one after its
+    # attention (attention_output); the vocabulary-split embedding is all-gathered.
+    gemma = sorted(found.pop(("gemma", "forward")))
+    found = {k: v for k, v in found.items() if k[0] != "gemma"}
+    expected = [(f"gemma_backbone_1/decoder_block_{b}_1/{path}", "AllReduce", str(d))
+                for b in range(2) for path in ("attention_1/attention_output_1", "ffw_linear_1")
+                for d in range(2)]
+    expected += [("gemma_backbone_1/token_embedding_1", "AllGather", str(d)) for d in range(2)]
+    assert gemma == sorted(expected), gemma
     # DTensor's group keys stay clear of 1..2047, where stock strategies number their
     # groups (a clash aborts both): the (2, 2) mesh comes first in its process, whose
     # first partition into groups would otherwise take keys 0 and 1.

@@ -1,5 +1,6 @@
 """Trains a Megatron MLP block (column- then row-parallel Dense) on each mesh shape named
-in argv ("1,2": tensor parallel; "2,1": data parallel; "2,2": both), marking each phase
+in argv ("1,2": tensor parallel; "2,1": data parallel; "2,2": both; "gemma": a keras-hub
+Gemma forward pass instead), marking each phase
 on stderr ("PHASE <shape> <name>"), for a test that reads the collectives TensorFlow logs
 launching in each (TF_CPP_VMODULE=collective_ops=1: group, shape and device of each)."""
 
@@ -47,6 +48,32 @@ def run(keras, tf, spec):
     keras.distribution.set_distribution(None)
 
 
+def gemma(keras, tf):
+    """A keras-hub GemmaBackbone (2 decoder blocks, a small config) on a (1, 2) mesh laid
+    out by its own get_layout_map: one forward pass."""
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(
+        layout_map=keras_hub.models.GemmaBackbone.get_layout_map(mesh)))
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GemmaBackbone(
+        vocabulary_size=32, num_layers=2, num_query_heads=2, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32, head_dim=8)
+    rng = np.random.default_rng(0)
+    inputs = {"token_ids": rng.integers(1, 32, (4, 6)).astype("int32"),
+              "padding_mask": np.ones((4, 6), "int32")}
+    phase("gemma", "warmup")
+    model.predict(inputs, verbose=0)
+    tf.test.experimental.sync_devices()
+    phase("gemma", "forward")
+    model.predict(inputs, verbose=0)
+    tf.test.experimental.sync_devices()
+    phase("gemma", "end")
+    keras.distribution.set_distribution(None)
+
+
 def main():
     tfpar.virtual_cpus(4)
     import keras
@@ -54,7 +81,10 @@ def main():
 
     tfpar.use_keras_distribution()
     for spec in sys.argv[1:]:
-        run(keras, tf, spec)
+        if spec == "gemma":
+            gemma(keras, tf)
+        else:
+            run(keras, tf, spec)
 
 
 if __name__ == "__main__":
