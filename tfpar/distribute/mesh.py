@@ -269,6 +269,19 @@ def kernel_mode(equation, axes):
     return "gathered" if split is None else split[0]
 
 
+def embedding_mode(axes):
+    """How an Embedding with its table laid out as `axes` (vocabulary, features) looks
+    up: "gathered" when the vocabulary is split (DTensor all-gathers the table first,
+    seen in its collective log), "column" when only the features are, else
+    "replicated".
+
+    >>> embedding_mode(("model", None)), embedding_mode((None, "model"))
+    ('gathered', 'column')
+    """
+    vocabulary, features = axes
+    return "gathered" if vocabulary else "column" if features else "replicated"
+
+
 def sharding_report(model, modes):
     """A table of `model`'s variables on the mesh: layout, shard shape, bytes per device;
     then each split layer's mode (`modes`: layer path -> mode) and the bytes each device

@@ -329,14 +329,26 @@ def _eager_on_the_mesh(keras_call):
 
 
 def layer_modes(model):
-    """Per layer whose kernel lies on a mesh: how it computes ("column", "row",
-    "replicated", or "gathered": the kernel is gathered before use)."""
+    """Per layer whose kernel (or embedding table) lies on a mesh: how it computes
+    ("column", "row", "replicated", or "gathered": the weight is gathered before use)."""
+    import keras
+
+    def split_axes(value):  # (An axis of one device splits nothing.)
+        plan = value._tfpar_runtime.plan
+        return tuple(a if a is not None and plan.axis_size(a) > 1 else None
+                     for a in value._tfpar_axes)
+
     modes = {}
     for layer in internals.attr(model, "_flatten_layers")(include_self=False):
+        if isinstance(layer, keras.layers.Embedding):
+            value = getattr(getattr(layer, "embeddings", None), "value", None)
+            if isinstance(value, mesh_lib.MeshVariable):
+                modes[layer.path] = mesh_lib.embedding_mode(split_axes(value))
+            continue
         kernel = getattr(layer, "kernel", None) if hasattr(type(layer), "kernel") else None
         value = getattr(kernel, "value", None)
         if not isinstance(value, mesh_lib.MeshVariable):
             continue
         equation = getattr(layer, "equation", None) or "...i,io->...o"
-        modes[layer.path] = mesh_lib.kernel_mode(equation, value._tfpar_axes)
+        modes[layer.path] = mesh_lib.kernel_mode(equation, split_axes(value))
     return modes
