@@ -514,7 +514,8 @@ def test_train_binary_runs_a_pipeline_and_rejects_a_batch_it_cannot_split():
                                 capture_output=True, text=True, timeout=240, env=env)
         return result.returncode, result.stdout + result.stderr
 
-    code, output = train("--num_micro_batches=8", "--schedule=1f1b")
+    code, output = train("--num_micro_batches=8", "--schedule=zero_bubble_h1",
+                         "--virtual_stages=2")
     assert code == 0, output[-3000:]
     assert re.search(r"final: loss=[\d.]+ accuracy=[\d.]+ samples/s=\d+ replicas=1", output)
     code, output = train("--num_devices=4", "--num_replicas=2", "--batch_size=60")

@@ -11,7 +11,8 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     "sync"); its devices are the cluster's, so `num_devices` does not apply.
     "model" is `ModelParallelStrategy` (balanced layer placement) on one host.
     "pipeline" is `PipelineStrategy` on one host; `pipeline` is a dict of its keyword
-    arguments (num_micro_batches, schedule, remat, num_replicas, num_stages).
+    arguments (num_micro_batches, schedule, remat, num_replicas, num_stages,
+    virtual_stages).
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
     and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs

@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app, flags, logging  # noqa: E402
 
 from tfpar import factory  # noqa: E402
+from tfpar.plan.schedule import SCHEDULES  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("strategy", "data", factory.STRATEGIES, "Which tfpar strategy trains the model.")
@@ -40,7 +41,10 @@ flags.DEFINE_enum("ps_mode", "async", ("async", "sync"),
 flags.DEFINE_integer("verbose", 1, "Keras progress: 0 silent, 1 bar, 2 a line an epoch.")
 flags.DEFINE_integer("num_micro_batches", 4,
                      "For --strategy=pipeline: micro-batches each batch is split into.")
-flags.DEFINE_enum("schedule", "gpipe", ("gpipe", "1f1b"), "For --strategy=pipeline: the schedule.")
+flags.DEFINE_enum("schedule", "gpipe", SCHEDULES, "For --strategy=pipeline: the schedule.")
+flags.DEFINE_integer("virtual_stages", 1,
+                     "For --strategy=pipeline: model chunks per device (interleaved_1f1b, "
+                     "zero_bubble_h1).")
 flags.DEFINE_integer("num_stages", None,
                      "For --strategy=pipeline: stages (default num_devices / num_replicas).")
 flags.DEFINE_bool("remat", False,
@@ -181,7 +185,7 @@ def _pipeline_flags():
     """PipelineStrategy's keyword arguments from the flags (used by --strategy=pipeline)."""
     return {"num_micro_batches": FLAGS.num_micro_batches, "schedule": FLAGS.schedule,
             "remat": FLAGS.remat, "num_replicas": FLAGS.num_replicas,
-            "num_stages": FLAGS.num_stages}
+            "num_stages": FLAGS.num_stages, "virtual_stages": FLAGS.virtual_stages}
 
 
 def main(argv):
