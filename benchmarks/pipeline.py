@@ -32,15 +32,24 @@ GPipe step and one 1F1B step.
     python benchmarks/pipeline.py [--micro_batch 1024] [--num_micro_batches 8] [--rounds 5]
 
 With `--schedules`, the schedules past 1F1B instead, side by side at K=2 M=4 (the same
-MLP, 2 logical CPUs, one core each): 1F1B, interleaved 1F1B (2 virtual stages) and
-zero-bubble H1, each step time against 1F1B's, each schedule's dry-run bubble next to
-the idle time of each stage measured from a profiled step (traces and pictures in
-benchmarks/results/), and, in the same run, the two-stream ceiling of these CPUs.
+MLP, 2 logical CPUs, one core each): 1F1B (its stages balanced by parameters, and by
+measured time), interleaved 1F1B (2 virtual stages), zero-bubble H1 and 2BW, each step
+time against 1F1B's, each schedule's dry-run bubble next to the idle time of each stage
+measured from a profiled step (traces and pictures in benchmarks/results/), the cores busy
+in a step (profiler: op time over step time; a stage's idle time is not a core's, as the
+logical CPUs share one pool of threads), and, in the same run, the two-stream ceiling of
+these CPUs.
 
     python benchmarks/pipeline.py --schedules [--micro_batch 1024] [--rounds 5]
 
+With `--balance`, 1F1B (K=2 M=4) with its stages balanced by parameters against balanced
+by measured time, on a model whose parameters are mostly an embedding table (16.8M
+parameters, little work) before the MLP: each stage's idle time from a profiled step.
+
+    python benchmarks/pipeline.py --balance [--rounds 5]
+
 Prints a table and writes JSON (default benchmarks/results/pipeline.json, with
---schedules pipeline_schedules.json).
+--schedules pipeline_schedules.json, with --balance pipeline_balance.json).
 """
 
 import argparse
@@ -68,14 +77,17 @@ def parse_args():
     parser.add_argument("--trace", default=os.path.join(RESULTS, "pipeline_trace.json"),
                         help="Chrome trace of one GPipe step (a .png is written next to it)")
     parser.add_argument("--schedules", action="store_true",
-                        help="compare 1F1B, interleaved and zero-bubble H1 at K=2 M=4")
+                        help="compare 1F1B, interleaved, zero-bubble H1 and 2BW at K=2 M=4")
+    parser.add_argument("--balance", action="store_true",
+                        help="compare 1F1B balanced by parameters and by time (K=2 M=4)")
     add_common_args(parser, width=1024, layers=8, steps=2, rounds=5, out_name="pipeline.json")
     args = parser.parse_args()
-    if args.schedules:
-        if "--num_micro_batches" not in " ".join(os.sys.argv):
-            args.num_micro_batches = 4
-        if "--out" not in " ".join(os.sys.argv):
-            args.out = os.path.join(RESULTS, "pipeline_schedules.json")
+    if args.balance and "--out" not in " ".join(os.sys.argv):
+        args.out = os.path.join(RESULTS, "pipeline_balance.json")
+    if (args.schedules or args.balance) and "--num_micro_batches" not in " ".join(os.sys.argv):
+        args.num_micro_batches = 4
+    if args.schedules and "--out" not in " ".join(os.sys.argv):
+        args.out = os.path.join(RESULTS, "pipeline_schedules.json")
     return args
 
 
@@ -122,7 +134,26 @@ def make_forward(model, x, steps):
     return lambda: [forward().numpy() for _ in range(steps)]
 
 
-def build(candidates, args, data):
+def make_embedding_model(args):
+    """A model whose parameters are not its work: a 32768 x 512 embedding table (16.8M
+    parameters, a gather) before the benchmark's Dense layers (11.5M, all the matmuls)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((TOKENS,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 512),
+         keras.layers.Flatten()]
+        + [keras.layers.Dense(args.width, activation="relu") for _ in range(args.layers)]
+        + [keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(1e-4),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+TOKENS, VOCABULARY = 8, 32768
+
+
+def build(candidates, args, data, make_model=make_model):
     """{name: (strategy, model, step)} for {name: strategy factory}."""
     built = {}
     for name, make in candidates.items():
@@ -203,11 +234,13 @@ def idle_per_stage(events, num_stages):
             for s in range(num_stages)]
 
 
-SCHEDULES = {  # name: (schedule, virtual stages)
-    "1F1B": ("1f1b", 1),
-    "interleaved v=2": ("interleaved_1f1b", 2),
-    "ZB-H1": ("zero_bubble_h1", 1),
-    "ZB-H1 v=2": ("zero_bubble_h1", 2),
+SCHEDULES = {  # name: (schedule, virtual stages, balance_by)
+    "1F1B": ("1f1b", 1, "params"),
+    "1F1B by time": ("1f1b", 1, "time"),
+    "interleaved v=2": ("interleaved_1f1b", 2, "params"),
+    "ZB-H1": ("zero_bubble_h1", 1, "params"),
+    "ZB-H1 v=2": ("zero_bubble_h1", 2, "params"),
+    "2BW": ("2bw", 1, "params"),
 }
 
 
@@ -215,7 +248,8 @@ def compare_schedules(args):
     """1F1B, interleaved and zero-bubble side by side (see the module docstring)."""
     import tfpar
 
-    tfpar.virtual_cpus(2, one_core_each=True)
+    # (A third CPU, used only to time layers for balance_by="time".)
+    tfpar.virtual_cpus(3, one_core_each=True)
     import tensorflow as tf
 
     from _common import two_stream_ceiling
@@ -223,14 +257,15 @@ def compare_schedules(args):
 
     m = args.num_micro_batches
     data = batch(m * args.micro_batch, args.width)
-    built = build({name: (lambda s=s, v=v: tfpar.PipelineStrategy(
-        DEVICES, num_micro_batches=m, schedule=s, virtual_stages=v))
-        for name, (s, v) in SCHEDULES.items()}, args, data)
+    built = build({name: (lambda s=s, v=v, b=b: tfpar.PipelineStrategy(
+        DEVICES, num_micro_batches=m, schedule=s, virtual_stages=v, balance_by=b))
+        for name, (s, v, b) in SCHEDULES.items()}, args, data)
     times = time_rounds({n: b[2] for n, b in built.items()}, args.rounds, args.steps)
     step = {name: statistics.median(t) for name, t in times.items()}
     ceiling = two_stream_ceiling(args.micro_batch, args.width, args.width, args.rounds,
                                  args.steps)
     rows, traces = {}, {}
+    cores = {name: profiled_cores(b[2])[0] for name, b in built.items()}
     for name, (strategy, model, _) in built.items():
         path = os.path.join(RESULTS, "pipeline_" + name.lower().replace(" ", "_").replace(
             "=", "") + ".json")
@@ -240,6 +275,7 @@ def compare_schedules(args):
                       "speedup_vs_1F1B": round(step["1F1B"] / step[name], 3),
                       "dry_run_bubble": round(bubble_fraction(strategy.schedule), 3),
                       "idle_per_stage_traced": idle_per_stage(events, 2),
+                      "cores_busy": round(cores[name], 2),
                       "chunks": strategy.stages(model)}
     result = {
         "benchmark": "pipeline_schedules",
@@ -254,10 +290,61 @@ def compare_schedules(args):
     print(f"{result['model']}, K=2 M={m} x {args.micro_batch} rows, {result['devices']}, "
           f"median of {args.rounds} rounds x {args.steps} steps; two-stream ceiling "
           f"{result['two_stream_ceiling']}x")
-    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} {'idle s0, s1 (trace)':>20s}")
+    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} "
+          f"{'idle s0, s1 (trace)':>20s} {'cores busy':>10s}")
     for name, row in rows.items():
         print(f"{name:18s} {row['step_ms']:8.1f} {row['speedup_vs_1F1B']:8.3f} "
-              f"{row['dry_run_bubble']:7.3f} {str(row['idle_per_stage_traced']):>20s}")
+              f"{row['dry_run_bubble']:7.3f} {str(row['idle_per_stage_traced']):>20s} "
+              f"{row['cores_busy']:10.2f}")
+    print("traces:", traces)
+    write_json(args.out, result)
+
+
+def compare_balance(args):
+    """1F1B with stages balanced by parameters and by measured time, side by side, on a
+    model whose parameters are mostly an embedding table (see the module docstring)."""
+    import numpy as np
+
+    import tfpar
+
+    tfpar.virtual_cpus(3, one_core_each=True)  # (The third CPU times layers.)
+    import tensorflow as tf
+
+    m = args.num_micro_batches
+    rows_count = m * args.micro_batch
+    rng = np.random.default_rng(0)
+    data = (rng.integers(0, VOCABULARY, (rows_count, TOKENS)).astype("int32"),
+            rng.integers(0, 10, rows_count).astype("int32"))
+    built = build({f"by {b}": (lambda b=b: tfpar.PipelineStrategy(
+        DEVICES, num_micro_batches=m, schedule="1f1b", balance_by=b))
+        for b in ("params", "time")}, args, data, make_embedding_model)
+    times = time_rounds({n: b[2] for n, b in built.items()}, args.rounds, args.steps)
+    step = {name: statistics.median(t) for name, t in times.items()}
+    rows, traces = {}, {}
+    for name, (strategy, model, _) in built.items():
+        path = os.path.join(RESULTS, "pipeline_balance_" + name.replace(" ", "_") + ".json")
+        events = strategy.trace(path, model, *data)
+        traces[name] = os.path.relpath(path[:-5] + ".png")
+        rows[name] = {"step_ms": round(step[name] * 1000, 1),
+                      "speedup_vs_params": round(step["by params"] / step[name], 3),
+                      "idle_per_stage_traced": idle_per_stage(events, 2),
+                      "stages": strategy.stages(model)}
+    result = {
+        "benchmark": "pipeline_balance",
+        "command": command_line("pipeline", args).replace(f" --trace={args.trace}", "")
+        .replace(" --remat=False", "").replace(" --schedules=False", "")
+        .replace(" --balance=True", " --balance"),
+        "model": f"Embedding {VOCABULARY}x512 over {TOKENS} tokens, then MLP {args.layers}x"
+                 f"{args.width} + 10-way head, SGD, Keras train step",
+        "devices": "2 logical CPUs, one thread per op (intra-op 1)",
+        "global_batch": rows_count, "micro_batch": args.micro_batch, "rows": rows,
+        "traces": traces, "tensorflow": tf.__version__, "host": platform.node(),
+        "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()}}
+    print(f"{result['model']}, 1F1B K=2 M={m} x {args.micro_batch} rows, {result['devices']}, "
+          f"median of {args.rounds} rounds x {args.steps} steps")
+    for name, row in rows.items():
+        print(f"{name:10s} {row['step_ms']:8.1f} ms  x{row['speedup_vs_params']:.3f}  idle s0, "
+              f"s1 {row['idle_per_stage_traced']}  stage 0: {row['stages'][0]}")
     print("traces:", traces)
     write_json(args.out, result)
 
@@ -266,6 +353,8 @@ def main():
     args = parse_args()
     if args.schedules:
         return compare_schedules(args)
+    if args.balance:
+        return compare_balance(args)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     worker = context.Process(target=one_core_worker, args=(child, args), daemon=True)

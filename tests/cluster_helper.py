@@ -5,8 +5,10 @@ those), and every wait has a timeout.
 """
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -38,6 +40,44 @@ def stop_launcher(process, timeout=20):
     except Exception:  # subprocess.TimeoutExpired
         process.kill()
         process.wait()
+
+
+def children_of(parent_pid, job, index=None):
+    """Pids of `parent_pid`'s child processes whose TF_CONFIG task type is `job` (and task
+    index `index`, unless None)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            task = json.loads(env[b"TF_CONFIG"])["task"]
+            if task["type"] == job and index in (None, task.get("index", 0)):
+                found.append(int(entry))
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+def launch(command):
+    """The launcher running `command`, its output lines as they come, and their reader."""
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    return launcher, lines, reader
+
+
+def wait_for_line(prefix, launcher, lines, timeout):
+    """Waits until an output line starts with `prefix`; fails if the launcher ends first."""
+    deadline = time.monotonic() + timeout
+    while not any(line.startswith(prefix) for line in list(lines)):
+        assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.2)
 
 
 class Cluster:

@@ -33,11 +33,14 @@ def pytest_unconfigure(config):
                       ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # (Before xdist's own, which reads the groups.)
 def pytest_collection_modifyitems(config, items):
     # With pytest-xdist, every multi-process test runs in the same worker, one at a time:
     # they start clusters whose timeouts assume the machine is not shared with another.
+    # (xdist interleaves the group's modules: their shared clusters are session fixtures,
+    # which a module switch does not tear down and run again.)
     for item in items:
-        if item.get_closest_marker("slow"):
+        if item.get_closest_marker("slow") and not item.get_closest_marker("one_process"):
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 

@@ -57,7 +57,7 @@ class TinyDigits(tfds.core.GeneratorBasedBuilder):
             yield i, {"image": image, "label": i % 5}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tfds")
     TinyDigits(data_dir=str(data_dir)).download_and_prepare()

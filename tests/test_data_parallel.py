@@ -31,7 +31,7 @@ def _train(strategy, optimizer, x, y, initial):
     return model.get_weights()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
     x, y = toy_data(n=BATCH * STEPS)
     initial = small_model().get_weights()

@@ -51,7 +51,7 @@ def _pairs():
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pairs():
     return _pairs()
 

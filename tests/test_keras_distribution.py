@@ -64,7 +64,7 @@ def _assert_same_run(got, want):
     np.testing.assert_allclose(predict, want[3], atol=ATOL)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device_mlp():
     return _train(_mlp, *_data())
 
@@ -146,7 +146,7 @@ def _sequences(n=48, steps=6, hidden=8):
             rng.integers(0, 4, n).astype("int32"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device_block():
     x, y = _sequences()
     model = _block()
@@ -379,6 +379,7 @@ def _groups(collectives):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_collectives_of_an_mlp_block_on_tensor_data_and_2d_meshes():
     """Read from the collectives TensorFlow runs (its log of each launch: group, shape,
     device), in a process of its own, for a column- then row-parallel block and a batch of

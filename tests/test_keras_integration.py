@@ -12,7 +12,7 @@ from conftest import cpus, small_model, toy_data
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def strategy():
     return tfpar.DataParallelStrategy(cpus(2))
 

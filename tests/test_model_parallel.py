@@ -142,12 +142,12 @@ def tape_step(model, optimizer):
     return step
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data():
     return toy_data(n=4 * BATCH)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fitted(data):
     """The MLP trained plainly and split over 3 devices (balanced), same start."""
     x, y = data

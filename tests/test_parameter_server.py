@@ -6,12 +6,11 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from cluster_helper import Cluster
+from cluster_helper import Cluster, children_of, launch, wait_for_line
 from tfpar.cluster.launcher import make_cluster
 from tfpar.cluster.tf_config import ClusterConfig, TFConfigError, check_parameter_server_cluster
 
@@ -46,17 +45,17 @@ def test_a_chiefless_cluster_spec_trains_and_the_strategy_looks_like_stock(tmp_p
         "returns", ["/job:chief/replica:0/task:0/device:CPU:0"]]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def async_run(tmp_path_factory):
     return _run_scenario("async", tmp_path_factory.mktemp("async"), workers=2, ps=1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def exact_run(tmp_path_factory):
     return _run_scenario("exact", tmp_path_factory.mktemp("exact"), workers=2, ps=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sync_run(tmp_path_factory):
     return _run_scenario("sync", tmp_path_factory.mktemp("sync"), workers=2, ps=2)
 
@@ -359,41 +358,6 @@ def test_server_refuses_the_chief_task():
     assert "tfpar.server serves 'worker' and 'ps' tasks" in result.stderr
 
 
-def _children_of(parent_pid, job):
-    """Pids of `parent_pid`'s child processes whose TF_CONFIG task type is `job`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != parent_pid:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-            if json.loads(env[b"TF_CONFIG"])["task"]["type"] == job:
-                found.append(int(entry))
-        except (OSError, ValueError, KeyError):
-            continue
-    return found
-
-
-def _launch(command):
-    """The launcher running `command`, its output lines as they come, and their reader."""
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-    reader.start()
-    return launcher, lines, reader
-
-
-def _wait_for_line(prefix, launcher, lines, timeout):
-    deadline = time.monotonic() + timeout
-    while not any(line.startswith(prefix) for line in list(lines)):
-        assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
     # All through the launcher, as a user would run it.
@@ -401,10 +365,10 @@ def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
                sys.executable, "-m", "tfpar.train", "--strategy=ps", "--epochs=4",
                "--verbose=2", f"--model_dir={tmp_path}"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    launcher, lines, reader = _launch(command)
+    launcher, lines, reader = launch(command)
     try:
-        _wait_for_line("[chief:0] Epoch 3/4", launcher, lines, timeout=180)
-        [ps] = _children_of(launcher.pid, "ps")
+        wait_for_line("[chief:0] Epoch 3/4", launcher, lines, timeout=180)
+        [ps] = children_of(launcher.pid, "ps")
         killed_at = time.monotonic()
         os.kill(ps, signal.SIGKILL)
         assert launcher.wait(timeout=120) != 0
@@ -448,10 +412,10 @@ def test_launcher_restarts_a_killed_worker_and_training_goes_on(tmp_path):
     command = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--max_restarts=1",
                "--", sys.executable, "-m", "tfpar.train", "--strategy=ps", "--epochs=4",
                "--verbose=2"]
-    launcher, lines, reader = _launch(command)
+    launcher, lines, reader = launch(command)
     try:
-        _wait_for_line("[chief:0] Epoch 2/4", launcher, lines, timeout=180)
-        workers = sorted(_children_of(launcher.pid, "worker"))
+        wait_for_line("[chief:0] Epoch 2/4", launcher, lines, timeout=180)
+        workers = sorted(children_of(launcher.pid, "worker"))
         os.kill(workers[-1], signal.SIGKILL)
         assert launcher.wait(timeout=240) == 0, "".join(lines)[-4000:]
     finally:

@@ -56,12 +56,12 @@ def assert_weights_equal(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data():
     return toy_data(n=4 * BATCH)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_steps(data):
     """Weights of the unsplit model after each of 3 SGD steps on the first 3 batches."""
     x, y = data
@@ -502,6 +502,7 @@ def test_a_last_partial_batch_trains_like_the_unsplit_model(devices, replicas, s
 # --- The training binary ----------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_train_binary_runs_a_pipeline_and_rejects_a_batch_it_cannot_split():
     import os
     import subprocess
@@ -543,7 +544,7 @@ def steady_adam():
     return keras.optimizers.Adam(0.01, epsilon=1e-3)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def deep_reference(data):
     """Weights of the unsplit deep model after 2 Adam steps."""
     x, y = data
@@ -685,3 +686,54 @@ def test_stages_are_cut_inside_a_nested_model(data, tmp_path):
     assert isinstance(loaded.get_layer("block"), keras.Sequential)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
                                atol=1e-6)
+
+
+# --- PipeDream-2BW -----------------------------------------------------------------------
+
+def delayed_update_reference(x, y, steps, optimizer):
+    """One device, a plain loop of PipeDream-2BW's rule: step t's gradient is that of the
+    weights before the previous update, applied to the current weights (the first step's
+    older weights are the initial ones). Returns the weights and the losses."""
+    model = mlp()
+    model.build((None, 4))
+    older = [w.numpy() for w in model.trainable_weights]
+    losses = []
+    for t in range(steps):
+        rows = slice(t * BATCH, (t + 1) * BATCH)
+        current = [w.numpy() for w in model.trainable_weights]
+        for w, value in zip(model.trainable_weights, older):
+            w.assign(value)
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[rows], model(x[rows]))
+        grads = tape.gradient(loss, model.trainable_weights)
+        for w, value in zip(model.trainable_weights, current):
+            w.assign(value)
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        older = current
+        losses.append(float(loss))
+    return model.get_weights(), losses
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_2bw_applies_each_gradient_to_the_next_weights_as_its_reference_does(replicas):
+    """schedule="2bw", 5 Adam steps: weights and each step's loss equal the plain delayed-
+    update loop (1e-5), and differ from synchronous training (the delay is real)."""
+    steps = 5
+    x, y = toy_data(n=steps * BATCH, seed=3)
+    want, want_losses = delayed_update_reference(x, y, steps, steady_adam())
+    synchronous = compiled(mlp(), steady_adam())
+    synchronous.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+    strategy = tfpar.PipelineStrategy(cpus(2 * replicas), num_micro_batches=4, schedule="2bw",
+                                      num_replicas=replicas)
+    assert strategy.schedule.weight_versions == 2 and "2 weight versions" in (
+        strategy.schedule_table())
+    model = pipelined(strategy, optimizer=steady_adam)
+    losses = [float(model.train_on_batch(x[t * BATCH:(t + 1) * BATCH],
+                                         y[t * BATCH:(t + 1) * BATCH]))
+              for t in range(steps)]
+    assert_weights_equal(model.get_weights(), want)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    drift = max(np.abs(a - b).max() for a, b in zip(model.get_weights(),
+                                                     synchronous.get_weights()))
+    assert drift > 1e-3

@@ -1,5 +1,6 @@
 """Pipeline schedules as plain data: no TensorFlow needed."""
 
+import dataclasses
 import subprocess
 from collections import Counter
 import sys
@@ -182,7 +183,7 @@ def test_validate_accepts_a_valid_custom_order():
     (2, True, r"Received: num_micro_batches=True"),
     ("2", 2, r"Received: num_stages='2'"),
 ])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "2bw"])
 def test_bad_arguments(name, k, m, message):
     with pytest.raises(ScheduleError, match=message):
         make_schedule(name, k, m)
@@ -191,7 +192,7 @@ def test_bad_arguments(name, k, m, message):
 def test_unknown_schedule_name():
     with pytest.raises(ValueError, match=r"Unknown schedule 'zero_bubble'. Use one of: "
                                          r"'gpipe', '1f1b', 'interleaved_1f1b', "
-                                         r"'zero_bubble_h1', or a tfpar.plan.schedule.Sch"):
+                                         r"'zero_bubble_h1', '2bw', or a tfpar.plan.schedule"):
         make_schedule("zero_bubble", 2, 2)
     assert issubclass(ScheduleError, ValueError)
 
@@ -294,3 +295,16 @@ def test_virtual_stage_actions_must_sit_on_their_chunks_stage():
     validate(good)
     assert [str(a) for a in execution_order(good)] == [
         "0F0", "1F0", "2F0", "3F0", "3B0", "2B0", "1B0", "0B0"]
+
+
+def test_2bw_is_1f1b_order_with_two_weight_versions():
+    """2BW runs 1F1B's actions; its table says the weights are versioned; a custom
+    schedule can ask for 2 versions, not 3."""
+    two = make_schedule("2bw", 4, 8)
+    assert two.stage_orders == one_f_one_b(4, 8).stage_orders
+    assert (two.weight_versions, one_f_one_b(4, 8).weight_versions) == (2, 1)
+    assert "2 weight versions: gradients of W(t-1) applied to W(t)" in format_table(two)
+    with pytest.raises(ScheduleError, match=r"weight_versions is 1 \(synchronous\) or 2"):
+        validate(dataclasses.replace(two, weight_versions=3))
+    with pytest.raises(ScheduleError, match=r"virtual_stages must be 1"):
+        make_schedule("2bw", 2, 4, virtual_stages=2)

@@ -52,12 +52,12 @@ def _state(optimizer):
             if v is not optimizer.iterations and v.name != "learning_rate"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data():
     return toy_data(n=64)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def unsharded(data):
     x, y = data
     return {name: _fit(tfpar.DataParallelStrategy(cpus(2)), name, x, y)

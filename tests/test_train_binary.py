@@ -9,7 +9,7 @@ import pytest
 
 from test_data import TinyDigits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_process]
 
 
 def _train(*flags, timeout=240):

@@ -51,15 +51,39 @@ def virtual_cpus(n, one_core_each=False):
 
 
 def default_devices():
-    """All GPUs, or all logical CPUs when there is no GPU."""
+    """All GPUs of this process, or all its logical CPUs when it has no GPU (devices of
+    other tasks, visible after `tf.config.experimental_connect_to_cluster`, are not)."""
     import tensorflow as tf
 
-    gpus = tf.config.list_logical_devices("GPU")
-    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]
+    host = host_task()
+    gpus, cpus = ([d.name for d in tf.config.list_logical_devices(kind)
+                   if task_of(d.name) == host] for kind in ("GPU", "CPU"))
+    return gpus or cpus
+
+
+def host_task():
+    """This process's task, '/job:localhost/replica:0/task:0' outside a cluster (e.g.
+    '/job:chief/replica:0/task:0' once connected to one). Initializes TensorFlow."""
+    import tensorflow as tf
+
+    # TensorFlow lists this process's devices first (device_util.canonicalize relies on it).
+    return task_of(tf.config.list_logical_devices("CPU")[0].name)
+
+
+def task_of(device):
+    """'/job:worker/replica:0/task:1' for '/job:worker/task:1/device:CPU:0'; a device that
+    names no job ('/gpu:0') is this process's."""
+    import tensorflow as tf
+
+    from tfpar.keras import internals
+
+    canonicalize = internals.symbol("tensorflow.python.distribute.device_util.canonicalize")
+    spec = tf.DeviceSpec.from_string(canonicalize(device))
+    return f"/job:{spec.job}/replica:{spec.replica}/task:{spec.task}"
 
 
 def spare_cpu(devices):
-    """The first logical CPU of this host that is none of `devices`, canonical; None if
+    """The first logical CPU of this process that is none of `devices`, canonical; None if
     `devices` take them all."""
     import tensorflow as tf
 
@@ -67,8 +91,9 @@ def spare_cpu(devices):
 
     canonicalize = internals.symbol("tensorflow.python.distribute.device_util.canonicalize")
     taken = {canonicalize(d) for d in devices}
+    host = host_task()
     spare = [canonicalize(d.name) for d in tf.config.list_logical_devices("CPU")
-             if canonicalize(d.name) not in taken]
+             if canonicalize(d.name) not in taken and task_of(d.name) == host]
     return spare[0] if spare else None
 
 
@@ -88,15 +113,20 @@ def logical_gpu_owners():
     return owners
 
 
-def physical_gpus_of(devices):
-    """For each device, the physical GPU it runs on, or None when it is no GPU."""
+def physical_gpus_of(devices, host=None):
+    """For each device, the physical GPU it runs on, or None when it is no GPU.
+
+    `host`: this process's task (`host_task()`); a GPU of another task gets None (its
+    configuration is that task's, not known here). None: every device is this process's.
+    """
     import tensorflow as tf
 
     owners = logical_gpu_owners()
     physical = []
     for device in devices:
         spec = tf.DeviceSpec.from_string(device)
-        is_gpu = (spec.device_type or "").upper() == "GPU"
+        is_gpu = (spec.device_type or "").upper() == "GPU" and (
+            host is None or task_of(device) == host)
         index = spec.device_index or 0
         physical.append(owners[index] if is_gpu and index < len(owners) else None)
     return physical
@@ -111,6 +141,9 @@ def device_type(device):
 
 def resolve_devices(devices):
     """Validates a device list and returns it canonical ('/job:localhost/.../device:CPU:0').
+
+    Devices of other tasks ('/job:worker/replica:0/task:1/device:CPU:0') are valid once
+    this process is connected to their cluster (`tf.config.experimental_connect_to_cluster`).
 
     Raises:
       DeviceError: a device is malformed, does not exist, or is listed twice.
@@ -144,6 +177,12 @@ def resolve_devices(devices):
             raise DeviceError(f"Device {device!r} names no device type: use '/cpu:0' or '/gpu:1'.")
         name = canonicalize(device)
         if name not in available:
+            if spec.job not in (None, "localhost"):
+                raise DeviceError(
+                    f"Device {device!r} is not a device of this process or of a cluster it "
+                    f"is connected to. Available devices: {', '.join(available.values())}. "
+                    f"Connect first (tfpar.PipelineStrategy(cluster_resolver=...) does, or "
+                    f"tf.config.experimental_connect_to_cluster), and check the task index.")
             raise DeviceError(
                 f"Device {device!r} does not exist on this host. Available devices: "
                 f"{', '.join(available.values())}. For more logical CPUs, call "

@@ -10,9 +10,10 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
     "sync"); its devices are the cluster's, so `num_devices` does not apply.
     "model" is `ModelParallelStrategy` (balanced layer placement) on one host.
-    "pipeline" is `PipelineStrategy` on one host; `pipeline` is a dict of its keyword
-    arguments (num_micro_batches, schedule, remat, num_replicas, num_stages,
-    virtual_stages).
+    "pipeline" is `PipelineStrategy` on one host, or, on the chief of a TF_CONFIG cluster
+    without ps tasks (`tfpar launch --workers N --coordinator`), one stage per worker task
+    (`num_devices` does not apply); `pipeline` is a dict of its keyword arguments
+    (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages).
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
     and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs
@@ -30,8 +31,16 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
         return ModelParallelStrategy(_local_devices(num_devices))
     if name == "pipeline":
+        from tfpar.cluster.tf_config import parse_tf_config
         from tfpar.distribute.pipeline.strategy import PipelineStrategy
 
+        config = parse_tf_config()
+        if config is not None and config.task_type == "chief" and not config.num_ps:
+            import tensorflow as tf
+
+            return PipelineStrategy(
+                cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                **(pipeline or {}))
         return PipelineStrategy(_local_devices(num_devices), **(pipeline or {}))
     from tfpar.distribute.data_parallel import DataParallelStrategy
     from tfpar.distribute.multi_worker import cluster_worker_count

@@ -2,6 +2,7 @@
 
     tfpar launch --workers 2 -- python -m tfpar.train --strategy=data
     tfpar launch --workers 2 --ps 1 -- python examples/parameter_server.py
+    tfpar launch --workers 2 --coordinator -- python my_pipeline.py
 
 Every task gets its TF_CONFIG and free ports (held by the launcher until the run
 ends); output lines are prefixed with the task name; if a task fails, all are stopped
@@ -14,11 +15,18 @@ nothing outside can reach them there (--network=host to share the machine's netw
     tfpar launch --workers 2 --ps 1 --max_restarts 3 -- python examples/parameter_server.py
     tfpar launch --workers 2 --ps 1 --data_service -- python my_training.py
 
+--coordinator: a chief task runs the command and the worker tasks only serve (`python -m
+tfpar.server`), running what the chief places on their devices: the stages of
+`tfpar.PipelineStrategy(cluster_resolver=tf.distribute.cluster_resolver.
+TFConfigClusterResolver())`, one per worker. A worker that dies ends the run: the chief
+gets --report_seconds to fail with its own error (which names the lost stage), then
+every task is stopped. (--ps implies a chief too.)
+
 --max_restarts N: with --ps, a worker server that exits is started again with the same
 TF_CONFIG, at most N times per worker task (the chief and ps tasks never are); without
---ps, the whole job is started again after a task fails, at most N times, resuming from
-the chief's last BackupAndRestore backup. --timeout S: stop everything after S seconds
-(exit 124). --data_service: also run a tf.data service (a dispatcher and one worker per
+--ps (collective training, or --coordinator), the whole job is started again after a
+task fails, at most N times, resuming from the chief's last BackupAndRestore backup.
+--timeout S: stop everything after S seconds (exit 124). --data_service: also run a tf.data service (a dispatcher and one worker per
 training worker); every task finds the dispatcher's address in $TFPAR_DATA_SERVICE.
 
 On Slurm, every srun task runs the launcher with --slurm, and the launcher runs the
@@ -44,16 +52,21 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("workers", 2, "Worker tasks.")
 flags.DEFINE_integer("ps", 0, "Parameter-server tasks (adds a chief that runs the command).")
+flags.DEFINE_bool("coordinator", False,
+                  "Add a chief task that runs the command while the workers serve (python -m "
+                  "tfpar.server) and run what it places on their devices, e.g. the stages of "
+                  "tfpar.PipelineStrategy(cluster_resolver=...). Implied by --ps.")
 flags.DEFINE_string("host", "127.0.0.1", "Address the tasks bind to.")
 flags.DEFINE_float("grace_seconds", 5.0, "Seconds between SIGTERM and SIGKILL when stopping.")
 flags.DEFINE_float("report_seconds", 60.0,
-                   "After a ps task dies, seconds the chief gets to fail with its own error "
-                   "before all tasks are stopped.")
+                   "After a ps task (or, with --coordinator, a worker) dies, seconds the chief "
+                   "gets to fail with its own error before all tasks are stopped.")
 flags.DEFINE_integer("max_restarts", 0,
                      "With --ps: times each worker server is started again (same TF_CONFIG) "
                      "after it exits; the chief and ps tasks are never restarted. Without "
-                     "--ps: times the whole job is started again after a task fails; it "
-                     "resumes from the chief's last keras.callbacks.BackupAndRestore backup.")
+                     "--ps (also with --coordinator): times the whole job is started again "
+                     "after a task fails; it resumes from the chief's last "
+                     "keras.callbacks.BackupAndRestore backup.")
 flags.DEFINE_bool("data_service", False,
                   "Also run a tf.data service: a dispatcher and one tf.data service worker per "
                   "training worker; tasks get the dispatcher's address in $TFPAR_DATA_SERVICE.")
@@ -102,7 +115,8 @@ def main(argv):
         launcher = Launcher(command, FLAGS.workers, FLAGS.ps, FLAGS.host, FLAGS.grace_seconds,
                             report_seconds=FLAGS.report_seconds,
                             max_restarts=FLAGS.max_restarts, data_service=FLAGS.data_service,
-                            timeout_seconds=FLAGS.timeout or None)
+                            timeout_seconds=FLAGS.timeout or None,
+                            coordinator=FLAGS.coordinator)
     except ValueError as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2

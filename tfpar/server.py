@@ -1,8 +1,9 @@
 """Serve the worker or ps task that TF_CONFIG names, until killed.
 
-Parameter-server training runs the user's program on the chief only; every worker
-and ps task just runs a TensorFlow server. `tfpar launch --workers N --ps K` starts
-this module for those tasks:
+Parameter-server training, and a pipeline whose stages live on the workers, run the
+user's program on the chief only; every worker and ps task just runs a TensorFlow
+server. `tfpar launch --workers N --ps K` (or `--workers N --coordinator`) starts this
+module for those tasks:
 
     TF_CONFIG='{"cluster": {...}, "task": {"type": "ps", "index": 0}}' python -m tfpar.server
 """

@@ -6,6 +6,10 @@ spirals dataset, printing Keras progress, then final loss, accuracy, samples/s.
     python -m tfpar.train --strategy=data --num_devices=4 --epochs=10 \
         --model_dir=/tmp/run --log_dir=/tmp/run/logs
     python -m tfpar.train --strategy=pipeline --num_micro_batches=8 --schedule=1f1b
+    tfpar launch --workers 2 --coordinator -- python -m tfpar.train --strategy=pipeline
+
+Under `tfpar launch --coordinator` the pipeline runs on the chief with one stage per
+worker process.
 """
 
 import os

@@ -48,11 +48,15 @@ STRATEGIES = {
     "zero3": lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
     "zb": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4,
                                          schedule="zero_bubble_h1"),
+    "2bw": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="2bw"),
 }
-# Strategies run on every feature; "zero2" and "zb" (zero-bubble H1: the backward split
-# into input and weight gradients) run on representative subsets (expected.ZERO2_FEATURES,
-# expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their code and run on all).
-STRATEGY_IDS = [s for s in STRATEGIES if s not in ("zero2", "zb")]
+# Strategies run on every feature; "dp4", "zero2", "zb" (zero-bubble H1: the backward split
+# into input and weight gradients) and "2bw" run on representative subsets
+# (expected.DP4_FEATURES: those whose numbers depend on the replica count, as dp2 runs all;
+# expected.ZERO2_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their
+# code and run on all; expected.TWO_BW_FEATURES).
+SUBSET_COLUMNS = ("dp4", "zero2", "zb", "2bw")
+STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
 # a Megatron pair, column then row (a representative subset of features,
@@ -74,9 +78,9 @@ STRATEGIES[MESH] = _mesh_strategy
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
-            "zero2": 2, "zero3": 2, "zb": 1, MESH: 1}
+            "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
-                 "zero2": 1, "zero3": 1, "zb": 4, MESH: 1}
+                 "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1}
 
 
 def make_strategy(sid):

@@ -7,6 +7,7 @@ compares the strategy's run with it, so a documented cell still checks exact num
   updates the moving statistics with the mean of the listed groups' moments, update after
   update.
 - Dropout masks drawn per replica or per micro-batch: `ChunkDropout`.
+- PipeDream-2BW's delayed updates (schedule "2bw"): `DelayedUpdates`, a callback.
 """
 
 import dataclasses
@@ -126,11 +127,49 @@ def dropout_emulation(feature, replicas, micro):
     return dataclasses.replace(feature, build=build)
 
 
+class DelayedUpdates(keras.callbacks.Callback):
+    """PipeDream-2BW's rule on one device: each step's gradient is computed on the weights
+    before the previous update and applied to the current ones.
+
+    Before a step the model takes the older weights; after it, the optimizer's change to them
+    is moved onto the current weights (Adam's and SGD's updates do not depend on the weights'
+    values, so this is their update of the current weights). The older weights count while
+    the optimizer's `iterations` is the value they were saved at (else: the current ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self._older, self._saved_at = None, None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        weights = self.model.trainable_weights
+        self._current = [w.numpy() for w in weights]
+        valid = self._saved_at == int(self.model.optimizer.iterations.numpy())
+        self._used = self._older if valid else self._current
+        for w, value in zip(weights, self._used):
+            w.assign(value)
+
+    def on_train_batch_end(self, batch, logs=None):
+        for w, used, current in zip(self.model.trainable_weights, self._used, self._current):
+            w.assign(current + (w.numpy() - used))
+        self._older = self._current
+        self._saved_at = int(self.model.optimizer.iterations.numpy())
+
+
 def emulated(feature, sid):
     """The one-device run of the emulation of documented cell (feature, sid), and the parts of
     a Result it compares."""
+    if sid == "2bw":
+        return _delayed(feature), ("weights", "history", "evaluate", "predict")
     parts = EMULATIONS[feature][1]
     return _emulated(feature, harness.REPLICAS[sid], harness.MICRO_BATCHES[sid]), parts
+
+
+@functools.lru_cache(maxsize=None)
+def _delayed(feature):
+    spec = harness.FEATURES[feature]
+    callbacks = {"callbacks": [DelayedUpdates()]}
+    return harness.run(None, dataclasses.replace(spec, fit_kwargs={**spec.fit_kwargs,
+                                                                   **callbacks}))
 
 
 @functools.lru_cache(maxsize=None)

@@ -46,7 +46,7 @@ def write_files(directory):
                 writer.write(example.SerializeToString())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workers(tmp_path_factory):
     """Runs the worker pair once for the module; yields the output directory."""
     out = tmp_path_factory.mktemp("mw_out")

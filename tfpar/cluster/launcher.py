@@ -1,8 +1,9 @@
 """Start a local TF_CONFIG cluster: one process per task on 127.0.0.1. No TensorFlow here.
 
 Without parameter servers every worker runs the user's command (worker 0 is the
-chief). With parameter servers the chief runs the command and the workers and ps
-tasks run `python -m tfpar.server`. Each output line is prefixed with its task;
+chief). With parameter servers, or with `coordinator=True` (a pipeline whose stages live
+on the workers), a chief runs the command and the workers and ps tasks run
+`python -m tfpar.server`. Each output line is prefixed with its task;
 when a task that matters fails, the others are stopped and its exit code returned.
 Nothing outlives the launcher: each task has a parent-death signal, and a watchdog
 (`tfpar.cluster.watchdog`) kills the tasks' process groups if the launcher dies.
@@ -13,8 +14,9 @@ Two options:
   with the same TF_CONFIG (same address: the coordinator reconnects to it), at most N
   times per worker task; the chief and the ps tasks are never restarted (a ps holds the
   variables). Without parameter servers (collective training, which cannot take one
-  worker back), the whole job is started again after a task fails, at most N times; it
-  resumes from the chief's last `BackupAndRestore` backup, which the chief broadcasts.
+  worker back, or a coordinator whose workers hold pipeline stages), the whole job is
+  started again after a task fails, at most N times; it resumes from the chief's last
+  `BackupAndRestore` backup, which the chief broadcasts (collective training) or holds.
 - `data_service=True`: a tf.data service for the run (`python -m tfpar.data_service`): one
   dispatcher and one tf.data service worker per training worker, on free ports of the same
   host; every cluster task gets the dispatcher's address in `TFPAR_DATA_SERVICE`
@@ -90,21 +92,26 @@ class PortReservation:
         self.close()
 
 
-def cluster_jobs(workers, ps=0):
-    """[(job, task count)] of a local cluster: workers, plus a chief and ps tasks if `ps`."""
+def cluster_jobs(workers, ps=0, coordinator=False):
+    """[(job, task count)] of a local cluster: workers, plus ps tasks if `ps`, plus a chief
+    (which runs the program while the others serve) if `ps` or `coordinator`."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers must be an integer >= 1. Received: {workers!r}")
     if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
         raise ValueError(f"--ps must be an integer >= 0. Received: {ps!r}")
-    return ([("chief", 1)] if ps else []) + [("worker", workers)] + ([("ps", ps)] if ps else [])
+    if not isinstance(coordinator, bool):
+        raise ValueError(f"coordinator must be True or False. Received: {coordinator!r}")
+    chief = [("chief", 1)] if ps or coordinator else []
+    return chief + [("worker", workers)] + ([("ps", ps)] if ps else [])
 
 
-def make_cluster(workers, ps=0, host="127.0.0.1", ports=None):
-    """The cluster dict for `workers` workers and `ps` parameter servers (plus a chief if ps).
+def make_cluster(workers, ps=0, host="127.0.0.1", ports=None, coordinator=False):
+    """The cluster dict for `workers` workers and `ps` parameter servers, plus a chief if
+    `ps` or `coordinator` (see `cluster_jobs`).
 
     `ports`: one per task, in job order (default: free ports, released at once).
     """
-    jobs = cluster_jobs(workers, ps)
+    jobs = cluster_jobs(workers, ps, coordinator)
     size = sum(n for _, n in jobs)
     ports = list(free_ports(size, host) if ports is None else ports)
     if len(ports) != size:
@@ -189,28 +196,35 @@ class Launcher:
     """Runs one process per task of a local cluster. Use `run()`; see `tfpar launch`.
 
     Args:
-      command: the user's program (run by every worker, or by the chief when `ps`).
+      command: the user's program (run by every worker, or by the chief when `ps` or
+        `coordinator`).
       workers, ps, host: the cluster (see `make_cluster`).
       grace_seconds: between SIGTERM and SIGKILL when stopping.
-      server_command: what worker and ps tasks run when `ps` (`python -m tfpar.server`).
+      server_command: what worker and ps tasks run when there is a chief
+        (`python -m tfpar.server`).
       env: the environment of the tasks (default: this process's).
       output: called with every prefixed output line (default: print).
-      report_seconds: after a ps dies, how long the chief gets to fail on its own.
+      report_seconds: after a ps (or, with `coordinator`, a worker) dies, how long the
+        chief gets to fail on its own.
       max_restarts: with `ps`, how many times each worker task is started again after it
         exits (same TF_CONFIG). Without `ps`, how many times the whole job is started
-        again after a task fails: collective training cannot take one worker back, so
-        every task restarts (same TF_CONFIG, same ports) and resumes from the chief's
-        last backup (`keras.callbacks.BackupAndRestore`; the chief's restored state is
-        broadcast to the others, so no shared filesystem is needed).
+        again after a task fails: collective training cannot take one worker back, and a
+        coordinator's worker holds pipeline stages, so every task restarts (same
+        TF_CONFIG, same ports) and resumes from the chief's last backup
+        (`keras.callbacks.BackupAndRestore`; in collective training the chief's restored
+        state is broadcast to the others, so no shared filesystem is needed).
       data_service: also run a tf.data service (a dispatcher and one worker per training
         worker); every task gets its address in `TFPAR_DATA_SERVICE`.
       timeout_seconds: the whole run may take this long; then every task is stopped and
         `run()` returns 124 (as `timeout`). None: no limit.
+      coordinator: add a chief that runs `command` while the workers serve (without `ps`:
+        the workers hold what the chief places on their devices, e.g. the stages of
+        `tfpar.PipelineStrategy(cluster_resolver=...)`).
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
-                 max_restarts=0, data_service=False, timeout_seconds=None):
+                 max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -222,10 +236,10 @@ class Launcher:
                              f"line: no limit). Received: {timeout_seconds!r}")
         self.timeout_seconds = timeout_seconds
         self.command = list(command)
-        size = sum(n for _, n in cluster_jobs(workers, ps))
+        size = sum(n for _, n in cluster_jobs(workers, ps, coordinator))
         # Held until the run ends: also while a restarted worker starts again.
         self._ports = PortReservation(size + (1 + workers if data_service else 0), host)
-        self.cluster = make_cluster(workers, ps, host, self._ports.ports[:size])
+        self.cluster = make_cluster(workers, ps, host, self._ports.ports[:size], coordinator)
         self.host = host
         self.grace_seconds = grace_seconds
         # After a ps dies, the chief gets this long to fail on its own: its error says
@@ -254,19 +268,22 @@ class Launcher:
         """(config, command, runs_user_code, fatal, restartable) for every task.
 
         The run succeeds when every task running the user's command exits 0; it fails
-        when one of those fails, or a ps task dies (its variables are gone; the chief
-        gets `report_seconds` to fail with its own error first). A worker server that
-        dies is not fatal: a parameter-server coordinator reschedules its work (and
+        when one of those fails, or a server task that holds state dies: a ps task, or a
+        worker of a coordinator without ps (it holds pipeline stages). The chief then
+        gets `report_seconds` to fail with its own error first. Under parameter servers a
+        worker server that dies is not fatal: the coordinator reschedules its work (and
         takes the worker back when `max_restarts` starts it again).
         """
         has_ps = "ps" in self.cluster
+        has_chief = "chief" in self.cluster  # It runs the command; the others serve.
         plan = []
         for job, addresses in self.cluster.items():
             for index in range(len(addresses)):
                 config = ClusterConfig(self.cluster, job, index)
-                runs_user_code = job == "chief" or not has_ps
+                runs_user_code = job == "chief" or not has_chief
+                holds_state = job == "ps" or (job == "worker" and not has_ps)
                 plan.append((config, self.command if runs_user_code else self.server_command,
-                             runs_user_code, runs_user_code or job == "ps",
+                             runs_user_code, runs_user_code or holds_state,
                              has_ps and job == "worker"))
         return plan
 
@@ -330,8 +347,10 @@ class Launcher:
                 restartable.append(task)
         return user_tasks, fatal_tasks, restartable
 
-    def _restart_job(self, tasks):
-        """Kills `tasks` (the whole collective job) and starts the cluster again."""
+    def _restart_job(self):
+        """Kills every cluster task (the whole job) and starts the cluster again."""
+        with self._lock:
+            tasks = [t for t in self.tasks if t.config is not None]
         for task in tasks:
             task.signal(signal.SIGKILL)
         for task in tasks:
@@ -370,7 +389,8 @@ class Launcher:
                     self._output(f"[launcher] {task.name} exited with code {code}: "
                                  f"restarting the job (restart {self.job_restarts + 1} of "
                                  f"{self.max_restarts}); it resumes from its last backup")
-                    user_tasks, fatal_tasks, restartable = self._restart_job(user_tasks)
+                    user_tasks, fatal_tasks, restartable = self._restart_job()
+                    lost = None
                     break
                 if task in user_tasks or lost is not None:
                     self._output(f"[launcher] {task.name} exited with code {code}: "

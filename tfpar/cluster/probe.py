@@ -7,6 +7,8 @@ first turns that into a clear error within the timeout.
 import socket
 import time
 
+from tfpar.errors import ClusterError
+
 
 def unreachable_tasks(cluster, jobs, timeout_seconds=30.0, poll_seconds=0.2):
     """Waits until every task of `jobs` accepts TCP connections, or the timeout passes.
@@ -30,6 +32,16 @@ def unreachable_tasks(cluster, jobs, timeout_seconds=30.0, poll_seconds=0.2):
             break
         time.sleep(poll_seconds)
     return sorted(pending)
+
+
+def require_reachable(cluster, jobs, timeout_seconds, how_to_start):
+    """Waits as `unreachable_tasks` does; raises ClusterError naming the tasks still
+    unreachable after `timeout_seconds`, with `how_to_start` them (a sentence)."""
+    missing = unreachable_tasks(cluster, jobs, timeout_seconds)
+    if missing:
+        raise ClusterError(
+            f"Cannot reach {', '.join(missing)} after {timeout_seconds:g}s. {how_to_start}, "
+            f"and check the addresses.")
 
 
 def listening(address):

@@ -32,8 +32,8 @@ DEFAULT_PORT_BASE = 8888  # As SlurmClusterResolver.
 STEP_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
                   "SLURM_STEP_TASKS_PER_NODE")
 # `tfpar launch` flags that only apply to the local launcher.
-LOCAL_FLAGS = ("ps", "host", "report_seconds", "max_restarts", "data_service", "network",
-               "timeout")
+LOCAL_FLAGS = ("ps", "coordinator", "host", "report_seconds", "max_restarts", "data_service",
+               "network", "timeout")
 EXAMPLE = "srun --ntasks-per-node=1 tfpar launch --slurm -- python train.py"
 
 
@@ -59,13 +59,14 @@ def check_flags(given, workers=None, num_tasks=None):
       workers: --workers if given explicitly, else None.
       num_tasks: the Slurm step's task count, to compare `workers` with.
     """
-    if "ps" in given:
+    served = [name for name in ("ps", "coordinator") if name in given]
+    if served:
         raise SlurmError(
-            "--ps is not supported with --slurm: a Slurm step ends only when all its tasks "
-            "end, but worker and ps tasks of parameter-server training serve until they are "
-            "killed, so the step would never end. Use collective training without --ps "
-            f"(`{EXAMPLE}` with tfpar.DataParallelStrategy), or start the chief, worker and "
-            "ps tasks yourself with their own TF_CONFIG.")
+            f"--{served[0]} is not supported with --slurm: a Slurm step ends only when all "
+            f"its tasks end, but the worker (and ps) tasks that serve a chief run until they "
+            f"are killed, so the step would never end. Use collective training without "
+            f"--{served[0]} (`{EXAMPLE}` with tfpar.DataParallelStrategy), or start the "
+            f"chief and the serving tasks yourself with their own TF_CONFIG.")
     local = [f"--{name}" for name in LOCAL_FLAGS if name in given]
     if local:
         raise SlurmError(

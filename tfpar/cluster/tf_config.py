@@ -182,19 +182,48 @@ def check_parameter_server_cluster(config):
     Raises:
       TFConfigError: saying which job is missing or which task this is instead.
     """
+    _check_coordinated_cluster(
+        config, "Parameter-server training",
+        {"worker": "workers run the steps", "ps": "ps tasks hold the variables"},
+        ("tfpar launch --workers N --ps K", "tfpar launch --workers 2 --ps 1"),
+        "workers and ps tasks")
+
+
+def check_pipeline_cluster(config):
+    """Checks that `config` describes a cluster for pipeline stages on worker tasks, seen
+    from the process that runs the program.
+
+    The program runs on the chief (a cluster spec without a 'chief' job is accepted: the
+    program joins it as its chief); each worker task serves (`python -m tfpar.server`) and
+    runs the stages placed on its devices.
+
+    Raises:
+      TFConfigError: saying what is missing or which task this is instead.
+    """
+    _check_coordinated_cluster(
+        config, "A pipeline across workers", {"worker": "workers hold the stages"},
+        ("tfpar launch --workers N --coordinator", "tfpar launch --workers 2 --coordinator"),
+        "the worker tasks")
+
+
+def _check_coordinated_cluster(config, training, jobs, launch, servers):
+    """The checks shared by clusters whose program runs on the chief alone while the other
+    tasks serve: `jobs` {job: why it is needed}, `launch` the command that starts one
+    (general, and an example), `servers` the tasks that run `python -m tfpar.server`."""
     if config is None:
+        *first, last = [f"'{job}'" for job in ("chief", *jobs)]
         raise TFConfigError(
-            "Parameter-server training needs a cluster, but TF_CONFIG is not set. Start the "
-            "program with `tfpar launch --workers N --ps K -- python train.py`, or set "
-            "TF_CONFIG with 'chief', 'worker' and 'ps' jobs.")
-    for job, why in (("worker", "workers run the steps"), ("ps", "ps tasks hold the variables")):
+            f"{training} needs a cluster, but TF_CONFIG is not set. Start the program with "
+            f"`{launch[0]} -- python train.py`, or set TF_CONFIG with {', '.join(first)} "
+            f"and {last} jobs.")
+    for job, why in jobs.items():
         if not config.cluster.get(job):
             raise TFConfigError(
-                f"Parameter-server training needs at least one '{job}' task ({why}), but the "
-                f"cluster has jobs {', '.join(sorted(config.cluster))}. Add '{job}' to "
-                f"TF_CONFIG's cluster, e.g. `tfpar launch --workers 2 --ps 1`.")
+                f"{training} needs at least one '{job}' task ({why}), but the cluster has "
+                f"jobs {', '.join(sorted(config.cluster))}. Add '{job}' to TF_CONFIG's "
+                f"cluster, e.g. `{launch[1]}`.")
     if config.task_type not in (None, "chief"):
         raise TFConfigError(
-            f"This process is {config.task_name}, but parameter-server training runs the "
-            f"program on the chief only. Run `python -m tfpar.server` on workers and ps tasks "
-            f"(tfpar launch does this).")
+            f"This process is {config.task_name}, but {training[0].lower()}{training[1:]} "
+            f"runs the program on the chief only. Run `python -m tfpar.server` on "
+            f"{servers} (tfpar launch does this).")

@@ -249,7 +249,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
         keras_hooks.install_multi_worker_callbacks()
         keras_hooks.install_exact_replicas()
-        keras_hooks.install_collective_timeout_explanation()
+        keras_hooks.install_cluster_error_explanation()
         self._tfpar_shard_owners = sharded.ShardOwners(self.num_replicas_in_sync)
         self._tfpar_step_shapes = sharded.StepShapes()
         if self._tfpar_shard_stage:

@@ -58,14 +58,10 @@ def move_copies(variable, devices):
             if canonical_device(old.device) == canonical_device(device):
                 moved.append(old)
                 continue
-            with tf.device(device):
-                # The class itself, not tf.Variable: that would ask the strategy in
-                # scope to make yet another distributed variable.
-                new = internals.symbol(
-                    "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(
-                    initial_value=old.read_value(), trainable=old.trainable,
-                    name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
-                    aggregation=old.aggregation, synchronization=old.synchronization)
+            new = plain_variable(
+                device, initial_value=old.read_value(), trainable=old.trainable,
+                name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
+                aggregation=old.aggregation, synchronization=old.synchronization)
             # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
             new._unique_id = internals.attr(old, "_unique_id")
             new.handle._distributed_container = weakref.ref(distributed)
@@ -73,6 +69,15 @@ def move_copies(variable, devices):
             changed = True
     distributed._values = tuple(moved)
     return changed
+
+
+def plain_variable(device, **kwargs):
+    """A resource variable on `device` (ResourceVariable's arguments), made in
+    `tf.init_scope()`: the class itself, not tf.Variable, which would ask the strategy in
+    scope for a distributed variable (also from a replica thread)."""
+    with tf.init_scope(), tf.device(device):
+        return internals.symbol(
+            "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(**kwargs)
 
 
 def devices_of(variable):

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
-from tfpar.cluster.probe import listening, unreachable_tasks
+from tfpar.cluster.probe import listening, require_reachable
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.data import dataset_from_function
 from tfpar.data_service import DATA_SERVICE_ENV
@@ -86,12 +86,9 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         self.data_service = data_service
         config = cluster_config(cluster_resolver)
         check_parameter_server_cluster(config)
-        missing = unreachable_tasks(config.cluster, ("worker", "ps"), connect_timeout_seconds)
-        if missing:
-            raise ClusterError(
-                f"Cannot reach {', '.join(missing)} after {connect_timeout_seconds:g}s. Start "
-                f"`python -m tfpar.server` for each worker and ps task with its TF_CONFIG "
-                f"(tfpar launch --workers N --ps K does this), and check the addresses.")
+        require_reachable(config.cluster, ("worker", "ps"), connect_timeout_seconds,
+                          "Start `python -m tfpar.server` for each worker and ps task with its "
+                          "TF_CONFIG (tfpar launch --workers N --ps K does this)")
         self.mode = mode
         self.cluster_config = config
         super().__init__(cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver(),

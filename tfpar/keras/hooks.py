@@ -212,26 +212,35 @@ def install_multi_worker_callbacks():
                "_tfpar_restored_by_the_chief")
 
 
-def _explaining_timeouts(method):
+def _explaining_cluster_errors(method):
     def wrapper(self, *args, **kwargs):
         import tensorflow as tf
 
         try:
             return method(self, *args, **kwargs)
-        except tf.errors.DeadlineExceededError as error:
-            explain = getattr(self.distribute_strategy, "_tfpar_explain_timeout", None)
-            if explain is None:
-                raise
-            raise explain(error) from error
+        except tf.errors.OpError as error:
+            # A timed-out collective (multi-worker strategies), or a lost task that held
+            # part of the model (a pipeline's stage worker): the strategy says which.
+            names = ["_tfpar_explain_lost_task"]
+            if isinstance(error, tf.errors.DeadlineExceededError):
+                names.insert(0, "_tfpar_explain_timeout")
+            for name in names:
+                explain = getattr(self.distribute_strategy, name, None)
+                explained = explain(error) if explain is not None else None
+                if explained is not None:
+                    raise explained from error
+            raise
     return wrapper
 
 
-def install_collective_timeout_explanation():
-    """A collective timeout in fit, evaluate or predict under a tfpar multi-worker
-    strategy becomes a ClusterError naming the workers that did not arrive. Idempotent."""
+def install_cluster_error_explanation():
+    """Under a tfpar strategy whose training spans processes, fit, evaluate and predict end
+    with a ClusterError that names the tasks at fault and says what to do: for a timed-out
+    collective, the workers that did not arrive; for a lost task (a pipeline stage worker
+    that died), that task and how to resume. Idempotent."""
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
     for name in ("fit", "evaluate", "predict"):
-        _wrap_once(trainer, name, _explaining_timeouts, "_tfpar_explains_timeouts")
+        _wrap_once(trainer, name, _explaining_cluster_errors, "_tfpar_explains_cluster_errors")
 
 
 def install_exact_replicas():

@@ -38,6 +38,10 @@ SYMBOLS = {
         "Distribution.scope() sets the distribution through this module's function",
     "keras.src.backend.tensorflow.distribution_lib":
         "keras.distribution's unfinished TensorFlow backend, completed on DTensor",
+    "keras.src.backend.tensorflow.numpy": "flip on a device mesh (AUC), as a gather",
+    "keras.src.backend.tensorflow.numpy.flip": "flip on a device mesh (AUC), as a gather",
+    "keras.src.backend.tensorflow.random": "dropout masks on a device mesh, drawn whole",
+    "keras.src.backend.tensorflow.random.dropout": "dropout masks on a device mesh, drawn whole",
     "keras.src.backend.tensorflow.optimizer.TFOptimizer": "optimizer updates of sharded variables",
     "keras.src.backend.tensorflow.trainer.TensorFlowTrainer": "fit/evaluate/predict dispatch",
     "keras.src.losses.loss": "global normalization of mean losses over replicas",
@@ -77,6 +81,8 @@ SYMBOLS = {
     "tensorflow.python.distribute.sharded_variable.ShardedVariable": "sharded ps variables",
     "tensorflow.python.distribute.values.DistributedVariable": "mirrored variables",
     "tensorflow.python.distribute.values_util.get_current_replica_id_as_int": "replica id",
+    "tensorflow.python.eager.context.get_server_def":
+        "the cluster a pipeline's chief is connected to (its stage workers' addresses)",
     "tensorflow.python.eager.record.could_possibly_record": "is a gradient tape recording",
     "tensorflow.python.ops.resource_variable_ops.ResourceVariable": "move mirrored copies",
 }

@@ -18,6 +18,7 @@ SPMD runtime, DTensor (`tfpar.distribute.mesh`):
 
 import contextlib
 import functools
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -26,6 +27,7 @@ from tensorflow.experimental import dtensor
 from tfpar.distribute import mesh as mesh_lib
 from tfpar.keras import hooks
 from tfpar.keras import internals
+from tfpar.keras import replicas
 
 _BACKEND = "keras.src.backend.tensorflow.distribution_lib"
 
@@ -69,6 +71,11 @@ def use_keras_distribution():
     # (Model too: another tfpar hook may have given it a __call__ of its own already.)
     for owner in (keras.layers.Layer, keras.Model):
         hooks._wrap_once(owner, "__call__", _eager_on_the_mesh, "_tfpar_mesh")
+    for module, name, wrap in (("numpy", "flip", _flip_by_gather),
+                               ("random", "dropout", _dropout_drawn_whole)):
+        internals.symbol(f"keras.src.backend.tensorflow.{module}.{name}")  # (Fails closed.)
+        hooks._wrap_once(internals.symbol(f"keras.src.backend.tensorflow.{module}"), name,
+                         wrap, "_tfpar_mesh")
     # `Distribution.scope()` calls its module's function; programs call the public one.
     for owner in (internals.symbol("keras.src.distribution.distribution_lib"),
                   keras.distribution):
@@ -251,6 +258,57 @@ def _in_the_models_distribution(method):
     return wrapper
 
 
+# --- Ops whose DTensor form is not one device's -------------------------------------------
+# While a mesh step is traced (or a model on a mesh is called eagerly), two backend ops are
+# computed another way, with one device's numbers.
+
+_tracing = threading.local()
+
+
+def _on_the_mesh(runtime):
+    return replicas.thread_setting(_tracing, "runtime", runtime)
+
+
+def _flip_by_gather(keras_flip):
+    """flip: DTensor cannot lay out tf.reverse ("'tf.ReverseV2' op does not implement
+    layout propagation"; AUC's update uses it). A gather of the reversed indices is the
+    same permutation, and DTensor lays it out."""
+
+    def flip(x, axis=None):
+        if getattr(_tracing, "runtime", None) is None:
+            return keras_flip(x, axis)
+        x = tf.convert_to_tensor(x)
+        axes = (range(x.shape.rank) if axis is None
+                else [axis] if isinstance(axis, int) else list(axis))
+        for a in axes:
+            x = tf.gather(x, tf.range(tf.shape(x)[a] - 1, -1, -1), axis=a)
+        return x
+
+    return flip
+
+
+def _dropout_drawn_whole(keras_dropout):
+    """dropout: DTensor draws a split tensor's random numbers device by device (its own
+    seeds per piece), so a batch split over devices would get other masks than on one
+    device. The mask is drawn whole, replicated, with one device's op and seed; each
+    device multiplies its rows by its rows of it."""
+
+    def dropout(inputs, rate, noise_shape=None, seed=None):
+        runtime = getattr(_tracing, "runtime", None)
+        if runtime is None or rate in (0.0, 1.0):
+            return keras_dropout(inputs, rate, noise_shape=noise_shape, seed=seed)
+        inputs = tf.convert_to_tensor(inputs)
+        shape = tf.shape(inputs)
+        if noise_shape is not None:
+            shape = tf.stack([shape[i] if d is None else d for i, d in enumerate(noise_shape)])
+        whole = runtime.relayout(tf.ones(shape, inputs.dtype), (None,) * inputs.shape.rank)
+        mask = runtime.relayout(keras_dropout(whole, rate, seed=seed),
+                                (None,) * inputs.shape.rank)
+        return inputs * mask
+
+    return dropout
+
+
 # --- Steps -------------------------------------------------------------------------------
 
 
@@ -277,7 +335,7 @@ def _mesh_function(keras_make, kind):
             # evenly runs whole on every device (`MeshRuntime.batch`).
             data = tf.nest.map_structure(
                 lambda t: None if t is None else runtime.batch(t, batch_axis), data)
-            with _scope(distribution):
+            with _scope(distribution), _on_the_mesh(runtime):
                 return tf.nest.map_structure(runtime.whole, step(data))
 
         if kind == "predict":
@@ -320,7 +378,7 @@ def _eager_on_the_mesh(keras_call):
         batch_axis = getattr(distribution, "batch_dim_name", None)
         args, kwargs = tf.nest.map_structure(
             lambda v: runtime.batch(v, batch_axis) if _plain_batch(v) else v, (args, kwargs))
-        with _scope(distribution):
+        with _scope(distribution), _on_the_mesh(runtime):
             outputs = keras_call(self, *args, **kwargs)
         return tf.nest.map_structure(
             lambda t: runtime.whole(t) if dtensor.is_dtensor(t) else t, outputs)

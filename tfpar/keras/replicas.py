@@ -76,15 +76,20 @@ def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
 
 
 @contextlib.contextmanager
+def thread_setting(local, name, value):
+    """`local.<name>` (a `threading.local`) is `value` meanwhile, in this thread."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield value
+    finally:
+        setattr(local, name, previous)
+
+
 def own_loss_normalization():
     """Keras' own loss reduction meanwhile, in this replica's thread: a step that weighs
     its parts itself (the pipeline's micro-batches) asks for it."""
-    previous = getattr(_local, "suspended", False)
-    _local.suspended = True
-    try:
-        yield
-    finally:
-        _local.suspended = previous
+    return thread_setting(_local, "suspended", True)
 
 
 class _ReplicaSums:
@@ -137,17 +142,10 @@ class _BatchPart:
         return value * tf.cast(self.fraction, value.dtype)
 
 
-@contextlib.contextmanager
 def batch_part(fraction, global_counts=None):
     """Losses computed meanwhile, in this thread, are one part's share of its batch's loss
     (see `_BatchPart`); yields the part, whose `counts` a counting pass stores."""
-    part = _BatchPart(fraction, global_counts)
-    previous = getattr(_local, "part", None)
-    _local.part = part
-    try:
-        yield part
-    finally:
-        _local.part = previous
+    return thread_setting(_local, "part", _BatchPart(fraction, global_counts))
 
 
 def _normalizing_context():

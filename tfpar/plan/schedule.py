@@ -27,7 +27,7 @@ BACKWARD = "B"
 INPUT_GRAD = "I"
 WEIGHT_GRAD = "W"
 KINDS = (FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble_h1", "2bw")
 
 _ACTION = re.compile(r"(\d+)([FBIW])(\d+)")
 
@@ -63,7 +63,9 @@ class Schedule:
     """`stage_orders[s]` is the tuple of actions stage (device) `s` runs, in order.
 
     With `virtual_stages` v > 1 the model is cut into `num_stages` x v chunks, chunk c
-    on stage c % num_stages, and actions name chunks.
+    on stage c % num_stages, and actions name chunks. With `weight_versions=2`
+    (PipeDream-2BW) a step's gradients are those of the weights before the previous
+    step's update, and are applied to the latest weights: W(t+1) = W(t) - lr * g(W(t-1)).
 
     >>> Schedule.from_strings(["0F0 2F0 2B0 0B0", "1F0 3F0 3B0 1B0"], 1,
     ...                       virtual_stages=2).rank_of(3)
@@ -75,6 +77,7 @@ class Schedule:
     name: str
     stage_orders: tuple
     virtual_stages: int = 1
+    weight_versions: int = 1
 
     @classmethod
     def from_strings(cls, rows, num_micro_batches, name="custom", virtual_stages=1):
@@ -146,6 +149,21 @@ def one_f_one_b(num_stages, num_micro_batches):
                   for m in range(num_micro_batches - warmup, num_micro_batches)]
         orders.append(tuple(order))
     return Schedule(num_stages, num_micro_batches, "1f1b", tuple(orders))
+
+
+def two_bw(num_stages, num_micro_batches):
+    """PipeDream-2BW's weight rule on 1F1B's order: two weight versions, each step's
+    gradients computed on the older one and applied to the newer, one step late.
+
+    Each step still ends when its last backward does (tfpar runs steps one at a time):
+    the rule, and its memory (one more copy of the trainable weights), are 2BW's; the
+    overlap of one step's cool-down with the next one's warm-up is not done.
+
+    >>> two_bw(2, 2).weight_versions, two_bw(2, 2).to_strings()
+    (2, ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1'])
+    """
+    orders = one_f_one_b(num_stages, num_micro_batches).stage_orders
+    return Schedule(num_stages, num_micro_batches, "2bw", orders, weight_versions=2)
 
 
 def _interleaved_sequences(num_stages, num_micro_batches, virtual_stages, rank):
@@ -265,13 +283,14 @@ def make_schedule(name, num_stages, num_micro_batches, virtual_stages=1):
         raise ScheduleError(
             f"Unknown schedule {name!r}. Use one of: {', '.join(repr(n) for n in SCHEDULES)}"
             f", or a tfpar.plan.schedule.Schedule.")
-    if name in ("gpipe", "1f1b"):
+    if name in ("gpipe", "1f1b", "2bw"):
         _check_count("virtual_stages", virtual_stages)
         if virtual_stages != 1:
             raise ScheduleError(
                 f"Schedule {name!r} runs one chunk per stage: virtual_stages must be 1. Use "
                 f"'interleaved_1f1b' or 'zero_bubble_h1' for virtual stages.")
-        return {"gpipe": gpipe, "1f1b": one_f_one_b}[name](num_stages, num_micro_batches)
+        builder = {"gpipe": gpipe, "1f1b": one_f_one_b, "2bw": two_bw}[name]
+        return builder(num_stages, num_micro_batches)
     builder = {"interleaved_1f1b": interleaved_1f1b, "zero_bubble_h1": zero_bubble_h1}[name]
     return builder(num_stages, num_micro_batches, virtual_stages)
 
@@ -305,6 +324,9 @@ def _check_actions(schedule):
     _check_count("num_stages", schedule.num_stages)
     _check_count("num_micro_batches", schedule.num_micro_batches)
     _check_count("virtual_stages", schedule.virtual_stages)
+    if schedule.weight_versions not in (1, 2):
+        raise ScheduleError(f"weight_versions is 1 (synchronous) or 2 (PipeDream-2BW). "
+                            f"Received: weight_versions={schedule.weight_versions!r}")
     k, m_count, orders = schedule.num_stages, schedule.num_micro_batches, schedule.stage_orders
     chunks = schedule.num_chunks
     if len(orders) != k:
@@ -509,6 +531,8 @@ def format_table(schedule):
         lines.append(f"stage {s}".ljust(label) + "  " + " ".join(f"{c:>{width}}" for c in cells))
     k, m, v = schedule.num_stages, schedule.num_micro_batches, schedule.virtual_stages
     virtual = f", {v} virtual stages" if v > 1 else ""
+    if schedule.weight_versions == 2:
+        virtual += ", 2 weight versions: gradients of W(t-1) applied to W(t)"
     lines.append(
         f"bubble fraction: {bubble_fraction(schedule):.3f} ({schedule.name}, {k} "
         f"stage{'s' * (k != 1)}{virtual}, {m} micro-batch{'es' * (m != 1)})")

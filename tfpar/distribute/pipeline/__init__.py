@@ -1,7 +1,8 @@
 """Pipeline parallelism: the strategy, its stages and the runtime that executes a schedule.
 
 - `strategy.py`: `PipelineStrategy` (placement, replicas, the Keras train step);
-- `execution.py`: one replica's train step and forward, built from a schedule.
+- `execution.py`: one replica's train step and forward, built from a schedule;
+- `workers.py`: stages on the worker processes of a cluster (connecting, a lost worker).
 
 A Keras model cut into stages (which layer calls each stage runs) is Keras glue:
 `tfpar.keras.stages`.

@@ -62,7 +62,7 @@ from tfpar.plan.schedule import BACKWARD, FORWARD, INPUT_GRAD, execution_order
 from tfpar.plan.stages import check_micro_batches
 
 
-def _tensors(structure):
+def tensors_of(structure):
     """The tensors of a structure, flat; IndexedSlices count by their values."""
     found = []
     for x in tf.nest.flatten(structure):
@@ -398,7 +398,7 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         with self._in_order(action):
             x = _anchor(self.inputs[s][m])
-            with tf.control_dependencies(_tensors(x)):  # The action starts when x is here.
+            with tf.control_dependencies(tensors_of(x)):  # The action starts when x is here.
                 if self.remat:
                     states = [(v, tf.identity(v.value))
                               for v in self.program.stages[s].seed_variables]
@@ -411,7 +411,7 @@ class TrainStep:
                         tape.watch(_floats(x))
                         y, targets = self._stage(action, x)
                     self.kept[s][m] = (tape, x, targets)
-        self._done(action, _tensors(targets))
+        self._done(action, tensors_of(targets))
         if y is not None:
             self.inputs[s + 1][m] = y
 
@@ -424,12 +424,12 @@ class TrainStep:
             upstream = None if last else self.upstream[s][m]
             if last or upstream is not None:
                 upstream = None if last else _anchor(upstream)
-                with tf.control_dependencies(_tensors(upstream)):  # Starts when it is here.
+                with tf.control_dependencies(tensors_of(upstream)):  # Starts when it is here.
                     done += self._vjp(action, upstream)
             self.kept[s][m] = None
             if action == self.last_action[s]:
                 done += self._regularize(s)
-        self._done(action, _tensors(done))
+        self._done(action, tensors_of(done))
 
     def _weights(self, action):
         """W: the weight gradients of a backward whose input gradient I has sent; their
@@ -446,7 +446,7 @@ class TrainStep:
             self.for_weights[s][m] = None
             if action == self.last_action[s]:
                 done += self._regularize(s)
-        self._done(action, _tensors(done))
+        self._done(action, tensors_of(done))
 
     def _vjp(self, action, upstream):
         """Chunk s's gradients for micro-batch m: sends the input's back; sums the
@@ -489,7 +489,7 @@ class TrainStep:
             # One gradient computation, no work twice: the ops only the weight gradients
             # need wait for W's turn (W adds them a control input).
             self.for_weights[s][m] = (weights, _only_for(
-                graph.get_operations()[made_before:], _tensors(weights), _tensors(sent)))
+                graph.get_operations()[made_before:], tensors_of(weights), tensors_of(sent)))
             return done
         return done + self._add(variables, weights)
 
@@ -551,12 +551,12 @@ def forward(program, devices, num_micro_batches, inputs, training):
                 with tf.device(device):
                     with tf.control_dependencies(after[s]):  # After the stage's previous one,
                         x = _anchor(x)
-                    with tf.control_dependencies(_tensors(x)):  # and once x is here.
+                    with tf.control_dependencies(tensors_of(x)):  # and once x is here.
                         if taped:
                             x = placed_call(program.run, device, s, x, training)
                         else:
                             x = program.run(s, x, training)
-                after[s] = _tensors(x)
+                after[s] = tensors_of(x)
             outputs.append(x)
     if num_micro_batches > 1:
         size = tf.shape(first)[0] if first is not None else None

@@ -24,6 +24,11 @@ How it works:
   replica. The optimizer all-reduces each variable's gradient across its R copies
   with cross-device ops chosen for those R devices (NCCL when they are GPUs,
   `select_communication`), and applies the same update to every copy.
+- *Stages on other processes.* With `cluster_resolver` the chief connects to a TF_CONFIG
+  cluster and stages go on the worker tasks' devices (`tfpar.distribute.pipeline.workers`):
+  the step is still one function, cut by TensorFlow into one part per task; activations
+  and gradients go from worker to worker. A lost stage worker ends `fit` with a
+  `ClusterError` that names it.
 - *Saving.* Nothing of the pipeline is saved: `model.save` and checkpoints write a
   plain Keras model (one copy of each variable) that loads anywhere.
 
@@ -53,6 +58,8 @@ from tfpar.distribute import mirrored_placement
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
+from tfpar.distribute.pipeline import workers as stage_workers
+from tfpar.distribute.pipeline.weight_versions import WeightVersions
 from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError, ScheduleError
 from tfpar.keras import hooks as keras_hooks
@@ -83,8 +90,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         one backward: at most K micro-batches in flight per stage), "interleaved_1f1b"
         (Megatron's: `virtual_stages` chunks per device, the bubble divided by them),
         "zero_bubble_h1" (backwards split into input and weight gradients, the weight
-        part filling the bubble), or a `tfpar.plan.schedule.Schedule` of your own
-        (validated by a dry run before it runs).
+        part filling the bubble), "2bw" (1F1B with PipeDream-2BW's two weight versions:
+        each step's gradients are computed on the weights before the previous update and
+        applied to the latest ones, W(t+1) = W(t) - lr * g(W(t-1))), or a
+        `tfpar.plan.schedule.Schedule` of your own (validated by a dry run before it runs).
       remat: recompute each stage's activations in its backward instead of
         keeping them (GPipe's rematerialization).
       num_replicas: R, pipeline replicas (data parallelism over pipelines).
@@ -96,11 +105,28 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         markers): "params" (parameters, frozen ones included) or "time" (each layer's
         forward and backward timed on one micro-batch, the first layer without the input
         gradient it never sends; on a CPU the strategy does not use).
+      cluster_resolver: stages on other processes: a `tf.distribute.cluster_resolver`
+        (e.g. `TFConfigClusterResolver()`) of a cluster whose worker tasks serve
+        (`python -m tfpar.server`, started by `tfpar launch --workers N --coordinator`)
+        while this process, the chief, runs the program. The strategy connects to the
+        cluster (TensorFlow's remote eager runtime); with `devices=None` it puts one stage
+        on each worker task (its first GPU, else its CPU:0), in task order. `devices` may
+        also name other tasks' devices ('/job:worker/replica:0/task:1/device:CPU:0'), as
+        they may after you connect yourself (`tf.config.experimental_connect_to_cluster`).
+        Across processes R must be 1. A stage worker that dies ends `fit`, `evaluate` or
+        `predict` with a `ClusterError` naming it; rerun with
+        `keras.callbacks.BackupAndRestore` to resume.
+      connect_timeout_seconds: how long the workers get to start listening.
 
     Raises:
       ScheduleError: `num_micro_batches` < 1, an unknown `schedule`, or a `Schedule`
         that does not fit or fails its dry run (the message shows where).
-      DeviceError: bad devices, or R x K is not the number of devices.
+      DeviceError: bad devices, R x K is not the number of devices, or R > 1 with
+        devices of other processes.
+      TFConfigError: with `cluster_resolver`, a cluster without workers, or this process
+        is not its chief.
+      ClusterError: with `cluster_resolver`, a worker does not listen within
+        `connect_timeout_seconds`.
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -111,6 +137,16 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
       ...     model.compile("sgd", "mse")
       >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
       >>> print(strategy.schedule_table())  # doctest: +SKIP
+
+      One stage per worker process (`tfpar launch --workers 2 --coordinator -- python
+      train.py`, train.py running on the chief):
+
+      >>> import tensorflow as tf
+      >>> resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()  # doctest: +SKIP
+      >>> strategy = tfpar.PipelineStrategy(num_micro_batches=4,  # doctest: +SKIP
+      ...                                   cluster_resolver=resolver)
+      >>> strategy.stage_devices  # doctest: +SKIP
+      (('/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0'),)
     """
 
     # Read by the Keras seam (tfpar.keras.replicas): evaluate's losses normalized over the
@@ -120,7 +156,8 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     _tfpar_mirrored = True
 
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
-                 num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params"):
+                 num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
+                 cluster_resolver=None, connect_timeout_seconds=60.0):
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
         if balance_by not in ("params", "time"):
@@ -129,7 +166,15 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         # Validates M and the schedule before anything touches devices.
         if not isinstance(schedule, schedule_lib.Schedule):
             schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
+        if cluster_resolver is not None:
+            cluster = stage_workers.connect(cluster_resolver, connect_timeout_seconds)
+            if devices is None:
+                devices = cluster.first_devices()
         resolved = devices_lib.resolve_devices(devices)
+        # The cluster's tasks when stages are on other processes, else None.
+        self._workers = stage_workers.of_devices(resolved)
+        if self._workers is not None:
+            self._workers.check_replicas(resolved, num_replicas)
         num_stages = _stage_count(len(resolved), num_replicas, num_stages)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
@@ -151,6 +196,8 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         keras_hooks.install_train_step_hook()
         keras_hooks.install_exact_replicas()
         keras_hooks.install_crash_safe_backups()
+        if self._workers is not None:
+            keras_hooks.install_cluster_error_explanation()
 
     def __repr__(self):
         virtual = self._schedule.virtual_stages
@@ -252,6 +299,12 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def _name(self, canonical):
         return self._display.get(canonical, canonical)
 
+    def _tfpar_explain_lost_task(self, error):
+        # Asked by the Keras seam when fit, evaluate or predict ends with a TensorFlow error.
+        if self._workers is None:
+            return None
+        return self._workers.explain(error, [d for row in self._grid for d in row])
+
     # -- Placement ---------------------------------------------------------------------
 
     def _known_home(self, layer):
@@ -325,14 +378,33 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self.chunk_devices(replica),
                                        self._schedule, self._remat, replica, len(self._grid))
+        versions = self._weight_versions(model)
+        if versions is not None:
+            versions.use_older(model.optimizer.iterations)
         with own_loss_normalization():
             loss, y_pred, grads = step(x, y, sample_weight)
         # The replicas' losses add up to the global batch's (their shares are global);
         # the seam reports their sum.
         steps.track_loss(model, loss, x)
+        if versions is not None:
+            with tf.control_dependencies(pipeline_exec.tensors_of(grads)):
+                versions.use_current()
         if model.trainable_weights:
             model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        if versions is not None:
+            versions.mark_saved(model.optimizer.iterations)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _weight_versions(self, model):
+        """PipeDream-2BW's older weights of `model` (None unless the schedule has two
+        weight versions), made on the first step."""
+        if self._schedule.weight_versions == 1 or not model.trainable_weights:
+            return None
+        versions = getattr(model, "_tfpar_weight_versions", None)
+        if versions is None or not versions.covers(model.trainable_weights):
+            versions = WeightVersions(model.trainable_weights)
+            object.__setattr__(model, "_tfpar_weight_versions", versions)
+        return versions
 
 
 def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
@@ -414,7 +486,7 @@ def stage_reductions(grid, collective_keys):
         devices = tuple(canonical_device(row[s]) for row in grid)
         communication = select_communication(
             "auto", [devices_lib.device_type(d) for d in devices],
-            physical_gpus=devices_lib.physical_gpus_of(devices))
+            physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
         reductions.append(StageReduction(devices, communication, make_cross_device_ops(
             communication, devices, collective_keys)))
     return reductions

@@ -1,0 +1,253 @@
+"""tfpar.PipelineStrategy with its stages on other processes: a chief and worker servers.
+
+The end-to-end test runs as a user would: `tfpar launch --workers 2 --coordinator
+--max_restarts 1 -- python tests/workers/pipeline_chief.py`, one stage per worker. It checks
+the trained weights against one device, where each stage's variables live, the error when
+a stage worker is killed, and the run the launcher starts again resuming from the backup.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster_helper import alive, children_of, launch, stop_launcher, wait_for_line
+from tfpar.cluster.launcher import Launcher, cluster_jobs, free_ports, make_cluster
+from tfpar.cluster.tf_config import ClusterConfig, TFConfigError, check_pipeline_cluster
+
+HERE = os.path.dirname(__file__)
+CHIEF = os.path.join(HERE, "workers", "pipeline_chief.py")
+PY = sys.executable
+WORKER = "/job:worker/replica:0/task:{}/device:CPU:0"
+
+
+@pytest.mark.slow
+def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worker(tmp_path):
+    command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--max_restarts=1",
+               "--report_seconds=30", "--timeout=300", "--",
+               PY, CHIEF, f"--out={tmp_path}", "--pause_after=0"]
+    start = time.monotonic()
+    launcher, lines, reader = launch(command)
+    try:
+        # After the first epoch (3 steps) and its backup, the chief waits: kill stage 1's
+        # worker, then let it train on.
+        wait_for_line("[chief:0] PAUSED", launcher, lines, timeout=120)
+        [worker] = children_of(launcher.pid, "worker", 1)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+        (tmp_path / "killed").touch()
+        assert launcher.wait(timeout=180) == 0, "".join(lines)[-5000:]
+    finally:
+        stop_launcher(launcher)
+    reader.join(10)
+    out = "".join(lines)
+    first, rerun = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
+
+    # One stage per worker, each stage's variables (and their Adam slots) on its worker.
+    stage_devices = [WORKER.format(0), WORKER.format(1)]
+    for run in (first, rerun):
+        assert run["stage_devices"] == stage_devices
+        assert [len(layers) for layers in run["stages"]] == [1, 1]
+        for layers, device in zip(run["stages"], stage_devices):
+            assert all(run["layer_devices"][name] == [device] for name in layers), run
+    assert rerun["optimizer_devices"] == stage_devices
+    # K=2, M=4, Adam: the weights of the unsplit model trained on one device.
+    assert first["start_iterations"] == 0 and first["start_difference"] == 0.0
+    assert first["epoch_differences"]["0"] < 1e-5
+    assert "num_replicas=1" in first["replicas_error"]
+
+    # The killed worker ends training with an error that names it and says what to do.
+    assert first["epochs_run"] == [0, 1]  # Epoch 1 started, and failed.
+    assert first["error_type"] == "ClusterError"
+    assert re.match(
+        r"tfpar\.PipelineStrategy lost a stage worker: worker:1 \(127\.0\.0\.1:\d+\), which "
+        r"held stage 1 on /job:worker/replica:0/task:1/device:CPU:0, stopped accepting "
+        r"connections", first["error"]), first["error"]
+    assert "keras.callbacks.BackupAndRestore it resumes from the last backup" in first["error"]
+    assert first["error_seconds"] < 10
+    assert "[chief:0] tfpar.errors.ClusterError: tfpar.PipelineStrategy lost a stage worker" in out
+    assert re.search(r"\[launcher\] worker:1 exited with code -9: waiting up to 30s", out), out
+    assert ("[launcher] chief:0 exited with code 1: restarting the job (restart 1 of 1)"
+            in out), out[-4000:]
+
+    # The rerun resumed from the backup of epoch 0: it ran epochs 1 and 2 only, starting
+    # from the weights and Adam state of step 3, and ends where one device does after 9.
+    assert rerun["epochs_run"] == [1, 2]
+    assert rerun["start_iterations"] == 3
+    assert rerun["start_difference"] < 1e-5
+    assert rerun["epoch_differences"]["1"] < 1e-5 and rerun["epoch_differences"]["2"] < 1e-5
+    assert "error" not in rerun
+    assert time.monotonic() - start < 240
+
+
+@pytest.mark.slow
+def test_the_training_binary_pipelines_across_workers_under_the_launcher():
+    command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--timeout=240", "--",
+               PY, "-m", "tfpar.train", "--strategy=pipeline", "--epochs=1",
+               "--num_micro_batches=2", "--batch_size=128", "--verbose=2"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert re.search(r"\[chief:0\] final: loss=[\d.]+ accuracy=0\.9\d+ .* replicas=1",
+                     run.stdout), run.stdout[-4000:]
+    assert not re.search(r"^\[worker:\d\] (Epoch|final)", run.stdout, re.M)  # They serve.
+
+
+# --- The launcher's coordinator mode, with stand-in processes (no TensorFlow) -----------
+
+def _launch_coordinator(code, server, **kwargs):
+    lines = []
+    launcher = Launcher([PY, "-c", code], 2, output=lines.append, coordinator=True,
+                        server_command=[PY, "-c", server], **kwargs)
+    return launcher.run(), lines, launcher
+
+
+def test_coordinator_cluster_has_a_chief_that_runs_the_command_while_workers_serve(tmp_path):
+    assert cluster_jobs(2, coordinator=True) == [("chief", 1), ("worker", 2)]
+    assert list(make_cluster(2, coordinator=True)) == ["chief", "worker"]
+    assert cluster_jobs(2, ps=1, coordinator=True) == cluster_jobs(2, ps=1)
+    with pytest.raises(ValueError, match="coordinator must be True or False"):
+        cluster_jobs(2, coordinator="yes")
+    # Each server says which task it serves, then marks it done; the chief waits for both.
+    server = ("import os, json, time; task = json.loads(os.environ['TF_CONFIG'])['task'];"
+              "print('serving', task, flush=True);"
+              f"open(os.path.join({str(tmp_path)!r}, str(task['index'])), 'w').close();"
+              "time.sleep(600)")
+    chief = ("import os, json, time; print(json.loads(os.environ['TF_CONFIG'])['task']);"
+             f"[time.sleep(0.05) for _ in range(200) if len(os.listdir({str(tmp_path)!r})) < 2]")
+    code, lines, launcher = _launch_coordinator(chief, server, grace_seconds=1)
+    assert code == 0, lines
+    assert "[chief:0] {'type': 'chief', 'index': 0}" in lines
+    assert sorted(l for l in lines if "serving" in l) == [
+        f"[worker:{i}] serving {{'type': 'worker', 'index': {i}}}" for i in (0, 1)]
+    assert all(t.process.poll() is not None for t in launcher.tasks)  # Servers stopped.
+
+
+def test_a_lost_coordinator_worker_lets_the_chief_fail_and_the_job_restarts(tmp_path):
+    """A worker holds pipeline stages: when it dies the chief gets report_seconds to fail
+    with its own error; with --max_restarts the whole job starts again (new servers too)."""
+    runs, died = tmp_path / "runs", tmp_path / "died"
+    # Worker 1 of the first job dies at once; every other server serves. The chief fails in
+    # its first run, once the worker has died (as a pipeline's chief would).
+    server = (f"import os, json, sys, time; i = json.loads(os.environ['TF_CONFIG'])['task']"
+              f"['index']; dies = i == 1 and not os.path.exists({str(died)!r});"
+              f"dies and open({str(died)!r}, 'w').close(); time.sleep(0.2);"
+              "sys.exit(9) if dies else time.sleep(600)")
+    chief = (f"import os, time, sys; f = open({str(runs)!r}, 'a'); f.write('run\\n'); f.close();"
+             f"n = open({str(runs)!r}).read().count('run');"
+             f"[time.sleep(0.05) for _ in range(200) if not os.path.exists({str(died)!r})];"
+             "time.sleep(1.0); print('run', n, flush=True); sys.exit(1 if n == 1 else 0)")
+    start = time.monotonic()
+    code, lines, launcher = _launch_coordinator(chief, server, max_restarts=1,
+                                                report_seconds=30, grace_seconds=1)
+    assert code == 0, lines
+    assert time.monotonic() - start < 30
+    assert lines.index("[launcher] worker:1 exited with code 9: waiting up to 30s for the "
+                       "chief to stop") < lines.index("[chief:0] run 1"), lines
+    assert ("[launcher] chief:0 exited with code 1: restarting the job (restart 1 of 1); it "
+            "resumes from its last backup") in lines
+    assert "[chief:0] run 2" in lines
+    assert launcher.job_restarts == 1
+    assert sorted(t.name for t in launcher.replaced) == ["chief:0", "worker:0", "worker:1"]
+    # Without restarts left, the chief's code ends the run.
+    runs.unlink()
+    died.unlink()
+    code, lines, _ = _launch_coordinator(chief, server, report_seconds=30, grace_seconds=1)
+    assert code == 1 and lines[-1] == "[launcher] chief:0 exited with code 1: stopping all tasks"
+
+
+def test_coordinator_is_refused_under_slurm():
+    from tfpar.cluster import slurm
+
+    with pytest.raises(slurm.SlurmError, match="--coordinator is not supported with --slurm"):
+        slurm.check_flags(["coordinator"])
+
+
+# --- Bad input: clear errors, no cluster ------------------------------------------------
+
+def test_the_pipeline_cluster_needs_workers_and_runs_on_the_chief():
+    with pytest.raises(TFConfigError, match=r"A pipeline across workers needs a cluster, but "
+                                            r"TF_CONFIG is not set\. Start the program with "
+                                            r"`tfpar launch --workers N --coordinator"):
+        check_pipeline_cluster(None)
+    with pytest.raises(TFConfigError, match="needs at least one 'worker' task"):
+        check_pipeline_cluster(ClusterConfig({"chief": ("127.0.0.1:1",)}, "chief", 0))
+    config = ClusterConfig(make_cluster(2, coordinator=True), "worker", 1)
+    with pytest.raises(TFConfigError, match=r"This process is worker:1, but a pipeline across "
+                                            r"workers runs the program on the chief only"):
+        check_pipeline_cluster(config)
+    check_pipeline_cluster(ClusterConfig(make_cluster(2, coordinator=True), "chief", 0))
+    check_pipeline_cluster(ClusterConfig(make_cluster(2)))  # Joins as the chief.
+
+
+def test_unreachable_workers_fail_within_the_timeout():
+    import tensorflow as tf
+
+    import tfpar
+
+    cluster = make_cluster(2, coordinator=True)  # Nothing listens on these ports.
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(a) for job, a in cluster.items()}), task_type="chief",
+        task_id=0, rpc_layer="grpc")
+    start = time.monotonic()
+    with pytest.raises(tfpar.errors.ClusterError,
+                       match=r"Cannot reach worker:0 \(127\.0\.0\.1:\d+\), worker:1 "
+                             r"\(127\.0\.0\.1:\d+\) after 0\.5s\. Start `python -m "
+                             r"tfpar\.server` for each worker task"):
+        tfpar.PipelineStrategy(cluster_resolver=resolver, connect_timeout_seconds=0.5)
+    assert time.monotonic() - start < 10
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(a) for job, a in cluster.items()}), task_type="worker",
+        task_id=0, rpc_layer="grpc")
+    with pytest.raises(TFConfigError, match="This process is worker:0"):
+        tfpar.PipelineStrategy(cluster_resolver=resolver)
+    with pytest.raises(ValueError, match="connect_timeout_seconds must be a number > 0"):
+        tfpar.PipelineStrategy(cluster_resolver=resolver, connect_timeout_seconds=0)
+
+
+def test_another_tasks_device_needs_a_connection():
+    from tfpar.devices import resolve_devices
+    from tfpar.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"'/job:worker/task:1/device:CPU:0' is not a device of "
+                                          r"this process or of a cluster it is connected to"):
+        resolve_devices(["/cpu:0", "/job:worker/task:1/device:CPU:0"])
+
+
+def test_a_lost_stage_worker_is_named_and_other_errors_are_left_alone():
+    import tensorflow as tf
+
+    from tfpar.distribute.pipeline.workers import StageWorkers
+
+    [dead] = free_ports(1)  # Nothing listens there: the worker is gone.
+    workers = StageWorkers({"/job:worker/replica:0/task:1": f"127.0.0.1:{dead}"})
+    stages = ["/cpu:0", WORKER.format(1)]
+    error = workers.explain(tf.errors.UnavailableError(None, None, "Socket closed"), stages)
+    assert str(error).startswith(
+        f"tfpar.PipelineStrategy lost a stage worker: worker:1 (127.0.0.1:{dead}), which held "
+        f"stage 1 on {WORKER.format(1)}, stopped accepting connections (the process is gone).")
+    assert str(error).endswith("TensorFlow said: UnavailableError: Socket closed")
+    # Listening again: a restarted worker is lost too, but a failure of the model itself
+    # is not a lost worker, and a pipeline in this process has no worker to lose.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        workers = StageWorkers({"/job:worker/replica:0/task:1": f"127.0.0.1:{port}"})
+        restarted = tf.errors.AbortedError(None, None, "Unable to find a context_id matching "
+                                                       "the specified one (1).")
+        assert (f"worker:1 (127.0.0.1:{port}), which held stage 1 on {WORKER.format(1)}, was "
+                f"restarted or lost its connection to this process." in str(
+                    workers.explain(restarted, stages)))
+        bad = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [4,3] vs. [4,2]")
+        assert workers.explain(bad, stages) is None
+    assert workers.explain(ValueError("bad shape"), stages) is None
+    lost = tf.errors.UnavailableError(None, None, "Socket closed")
+    assert workers.explain(lost, ["/cpu:0", "/cpu:1"]) is None

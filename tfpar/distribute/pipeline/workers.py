@@ -1,0 +1,181 @@
+"""Pipeline stages on the worker processes of a TF_CONFIG cluster (TensorFlow glue).
+
+The program runs on the chief, which connects to the cluster with TensorFlow's remote
+eager runtime (`tf.config.experimental_connect_to_cluster`); every worker task only
+serves (`python -m tfpar.server`). A stage placed on a worker's device has its variables
+there and runs there: Keras' step is one `tf.function`, which TensorFlow cuts into one
+part per task, and activations and gradients go from worker to worker over gRPC.
+
+A lost worker, as measured on TF 2.21 (2 workers, one stage each, SIGKILL):
+
+- during a step, the step fails within a second with `UnavailableError` ("Socket
+  closed", "Connection reset by peer");
+- between two calls, the chief's next call waited forever (in `context.async_wait`,
+  as `fit` builds its dataset) while TensorFlow's eager client streams its requests
+  (TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE, on by default, read at each request).
+  With streaming off, as TensorFlow's own ParameterServerStrategy sets it, the call fails
+  within 0.1 s with `UnavailableError` ("Connection refused");
+- restarted while the chief runs, the chief's next call fails with `AbortedError`
+  ("Unable to find a context_id ... Perhaps the worker was restarted").
+
+So a pipeline with stages on other tasks turns streaming off, and the Keras seam turns
+the error of `fit`, `evaluate` or `predict` into a `ClusterError` that names the lost
+tasks (those that no longer accept TCP connections, else those the error names) and
+says how to resume. A worker that stops answering without closing its connections (a
+stopped process, a network partition) is not detected: TensorFlow waits for it.
+"""
+
+import os
+
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar.cluster.probe import listening, require_reachable
+from tfpar.cluster.tf_config import check_pipeline_cluster
+from tfpar.distribute.cluster import cluster_config
+from tfpar.errors import ClusterError, DeviceError
+from tfpar.keras import internals
+
+# TensorFlow's switch for streamed eager requests (see the module docstring).
+STREAMING_ENQUEUE_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
+
+
+class StageWorkers:
+    """The tasks of the cluster this process is connected to, as the pipeline sees them.
+
+    Args:
+      addresses: {task ('/job:worker/replica:0/task:1'): "host:port"}.
+    """
+
+    def __init__(self, addresses):
+        self.addresses = dict(addresses)
+
+    def first_devices(self):
+        """Each worker task's first device (a GPU if it has one, else CPU:0), in task order:
+        one pipeline stage per worker."""
+        workers = sorted((t for t in self.addresses if t.startswith("/job:worker/")),
+                         key=lambda t: int(t.rsplit(":", 1)[1]))
+        devices = []
+        for task in workers:
+            found = {kind: sorted((d.name for d in tf.config.list_logical_devices(kind)
+                                   if devices_lib.task_of(d.name) == task),
+                                  key=lambda name: int(name.rsplit(":", 1)[1]))
+                     for kind in ("GPU", "CPU")}
+            if not (found["GPU"] or found["CPU"]):
+                raise ClusterError(
+                    f"{_task_name(task)} ({self.addresses[task]}) shows no device: is it a "
+                    f"TensorFlow server of this cluster (`python -m tfpar.server` with its "
+                    f"TF_CONFIG)?")
+            devices.append((found["GPU"] or found["CPU"])[0])
+        return devices
+
+    def check_replicas(self, devices, num_replicas):
+        """Refuses R > 1 pipeline replicas when some devices are another task's."""
+        host = devices_lib.host_task()
+        elsewhere = [d for d in devices if devices_lib.task_of(d) != host]
+        if num_replicas > 1 and elsewhere:
+            raise DeviceError(
+                f"PipelineStrategy(num_replicas={num_replicas}) all-reduces each stage's "
+                f"gradients between its replicas inside this process, so its devices must "
+                f"be this process's, but {', '.join(elsewhere)} belong to other tasks. "
+                f"Across worker processes run one pipeline: num_replicas=1, with one stage "
+                f"per worker (cluster_resolver=..., devices=None) or the devices you list.")
+
+    def explain(self, error, stage_devices):
+        """A ClusterError for `error` if it comes from a lost stage task, else None."""
+        host = devices_lib.host_task()
+        stages = {}  # task -> [(stage, device)]
+        for stage, device in enumerate(stage_devices):
+            task = devices_lib.task_of(device)
+            if task != host:
+                stages.setdefault(task, []).append((stage, device))
+        if not stages or not isinstance(error, tf.errors.OpError):
+            return None
+        lost = [t for t in stages if t in self.addresses and not listening(self.addresses[t])]
+        if lost:
+            what = "stopped accepting connections (the process is gone)"
+        elif isinstance(error, tf.errors.UnavailableError) or "context_id" in str(error):
+            # Listening again, restarted ("Unable to find a context_id", measured), or only the
+            # connection broke: the stages' state on that task is gone all the same.
+            lost = [t for t in stages if t in str(error)] or list(stages)
+            what = "was restarted or lost its connection to this process"
+        else:
+            return None
+        held = " and ".join(
+            f"{_task_name(t)} ({self.addresses.get(t, 'address unknown')}), which held "
+            + ", ".join(f"stage {s} on {d}" for s, d in stages[t]) for t in lost)
+        return ClusterError(
+            f"tfpar.PipelineStrategy lost {'a stage worker' if len(lost) == 1 else 'stage workers'}"
+            f": {held}, {what}. The variables of those stages are gone, so training cannot go "
+            f"on. Start the lost worker again (`python -m tfpar.server` with its TF_CONFIG) "
+            f"and run the program again: with keras.callbacks.BackupAndRestore it resumes from "
+            f"the last backup (`tfpar launch --coordinator --max_restarts N` does both). "
+            f"TensorFlow said: {type(error).__name__}: {_first_line(error)}")
+
+
+def connect(cluster_resolver, connect_timeout_seconds):
+    """Connects this process (the chief) to the cluster of `cluster_resolver`.
+
+    Raises:
+      TFConfigError: the cluster has no worker, or this process is not its chief.
+      ClusterError: a worker does not listen within `connect_timeout_seconds`.
+    """
+    if not isinstance(connect_timeout_seconds, (int, float)) or connect_timeout_seconds <= 0:
+        raise ValueError(f"connect_timeout_seconds must be a number > 0. Received: "
+                         f"{connect_timeout_seconds!r}")
+    config = cluster_config(cluster_resolver)
+    check_pipeline_cluster(config)
+    require_reachable(config.cluster, ("worker",), connect_timeout_seconds,
+                      "Start `python -m tfpar.server` for each worker task with its TF_CONFIG "
+                      "(tfpar launch --workers N --coordinator does this)")
+    fail_fast()
+    # A ClusterSpec, not the resolver: with a resolver TensorFlow also enters the chief's
+    # device scope for good, and does nothing at all when the resolver names no master.
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec({job: list(tasks) for job, tasks in config.cluster.items()}),
+        job_name=config.task_type or "chief", task_index=config.task_index or 0,
+        protocol=cluster_resolver.rpc_layer or "grpc")
+    return connected()
+
+
+def connected():
+    """The StageWorkers of the cluster this process is connected to; None if it is not."""
+    server_def = internals.symbol("tensorflow.python.eager.context.get_server_def")()
+    if server_def is None:
+        return None
+    return StageWorkers({f"/job:{job.name}/replica:0/task:{index}": address
+                         for job in server_def.cluster.job
+                         for index, address in job.tasks.items()})
+
+
+def of_devices(devices):
+    """StageWorkers when some of `devices` are another task's (this process connected to
+    their cluster itself), else None."""
+    host = devices_lib.host_task()
+    if all(devices_lib.task_of(d) == host for d in devices):
+        return None
+    workers = connected()
+    if workers is None:  # resolve_devices lets no such device through.
+        raise DeviceError(f"{devices!r} name devices of other tasks, but this process is not "
+                          f"connected to a cluster: pass cluster_resolver=...")
+    fail_fast()
+    return workers
+
+
+def fail_fast():
+    """A lost worker fails the next call instead of hanging it (see the module docstring)."""
+    os.environ[STREAMING_ENQUEUE_ENV] = "False"
+
+
+def _task_name(task):
+    """'worker:1' for '/job:worker/replica:0/task:1'."""
+    job, _, index = task.split("/")[1:4]
+    return f"{job[4:]}:{index[5:]}"
+
+
+def _first_line(error):
+    message = getattr(error, "message", str(error)).strip()
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    # Graph execution errors start with boilerplate; the root errors say what happened.
+    roots = [line for line in lines if line.startswith("(0)")]
+    return (roots or lines or [""])[0][:300]
