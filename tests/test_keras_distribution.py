@@ -21,6 +21,9 @@ import tfpar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ATOL = 1e-5
+# The heads output logits. (Read as probabilities, outputs that sum to near 0 made the loss
+# so ill-conditioned that a mesh's float rounding grew to 1e-3 in the weights in 3 epochs.)
+LOGITS_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +45,7 @@ def _mlp():
                               keras.layers.Dense(16, activation="relu", name="dense_up"),
                               keras.layers.Dense(8, activation="tanh", name="dense_down"),
                               keras.layers.Dense(4, name="head")])
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+    model.compile(keras.optimizers.Adam(0.01), LOGITS_LOSS,
                   metrics=["accuracy"])
     return model
 
@@ -124,7 +127,7 @@ def _block(heads=2, hidden=8, ff=16, classes=4, steps=6):
         hidden, name="mlp_down")(h))
     outputs = keras.layers.Dense(classes, name="head")(keras.layers.GlobalAveragePooling1D()(x))
     model = keras.Model(inputs, outputs)
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    model.compile(keras.optimizers.Adam(0.01), LOGITS_LOSS)
     return model
 
 
@@ -244,7 +247,7 @@ def test_a_partial_last_batch_and_steps_per_execution_match_one_device():
 
     def build():
         model = _mlp()
-        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
+        model.compile(keras.optimizers.SGD(0.1), LOGITS_LOSS,
                       metrics=["accuracy"], steps_per_execution=2)
         return model
 
@@ -479,7 +482,7 @@ def test_a_keras_hub_gemma_trains_under_its_own_layout_map():
         pieces = dtensor.unpack(v.value.read_value())
         assert all(p.shape.num_elements() * 2 == v.shape.num_elements() for p in pieces), v.path
     causal = keras_hub.models.GemmaCausalLM(backbone=model, preprocessor=None)
-    causal.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    causal.compile(keras.optimizers.Adam(1e-3), LOGITS_LOSS)
     history = causal.fit(inputs, rng.integers(0, 32, (4, 6)), batch_size=4, epochs=3,
                          verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]

@@ -41,7 +41,20 @@ def test_model_parallel_strategy_trains(tmp_path):
     assert code == 0, output[-3000:]
     loss, accuracy, _, replicas = _final(output)
     assert replicas == 1 and accuracy >= 0.9
-    assert (tmp_path / "model.keras").exists()
+    # By default Adam's rate decays (cosine) to 0 over the run's steps: the saved optimizer,
+    # at its saved iteration count (3 epochs of 94 steps), says so.
+    import keras
+
+    optimizer = keras.saving.load_model(tmp_path / "model.keras").optimizer
+    assert int(optimizer.iterations.numpy()) == 3 * 94
+    assert float(optimizer.learning_rate.numpy()) < 1e-7  # 0.01 at a constant rate
+
+
+def test_a_bad_learning_rate_decay_is_refused_before_anything_starts():
+    from tfpar import train
+
+    with pytest.raises(ValueError, match="learning_rate_decay must be 'cosine' or 'none'"):
+        train.run("data", learning_rate_decay="linear")
 
 
 def test_rerun_resumes_from_model_dir(tmp_path):

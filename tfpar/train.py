@@ -31,7 +31,10 @@ flags.DEFINE_string("dataset", "spirals", "'spirals' (built in) or a tfds name p
 flags.DEFINE_string("data_dir", None, "tfds data directory (tfpar never downloads).")
 flags.DEFINE_integer("epochs", 20, "Epochs to train (a resumed run stops at the same total).")
 flags.DEFINE_integer("batch_size", 64, "Global batch size, split evenly over the replicas.")
-flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate.")
+flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate (the first, with cosine decay).")
+flags.DEFINE_enum("learning_rate_decay", "cosine", ("cosine", "none"),
+                  "cosine: the rate decays to 0 over all epochs' steps, so the last epochs "
+                  "settle (asynchronous updates swing at a constant rate); none: constant.")
 flags.DEFINE_string("model_dir", None, "Checkpoints and the final model; a rerun resumes from it.")
 # absl.logging already defines --log_dir ("directory to write logfiles into"):
 # tfpar writes its TensorBoard logs there rather than define a clashing flag.
@@ -118,13 +121,18 @@ def callbacks_for(model_dir, log_dir):
 
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
-        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None):
+        log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None,
+        learning_rate_decay="cosine"):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second.
 
     `pipeline`: for strategy "pipeline", a dict of `PipelineStrategy` keyword arguments.
+    `learning_rate_decay`: "cosine" (to 0 over all the steps of `epochs`) or "none".
     """
     from tfpar import data
 
+    if learning_rate_decay not in ("cosine", "none"):
+        raise ValueError(f"learning_rate_decay must be 'cosine' or 'none'. Received: "
+                         f"{learning_rate_decay!r}")
     strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds,
                                      ps_mode, pipeline)
     import keras
@@ -145,6 +153,12 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
                 .shuffle(min(train.num_examples, 10000), seed=seed)
                 .batch(batch_size, drop_remainder=drop_remainder).prefetch(2))
     test_ds = test.dataset.map(_as_float).batch(batch_size)
+    if learning_rate_decay == "cosine":
+        # The optimizer's iterations drive it, so a resumed run goes on where it stopped.
+        steps_per_epoch = (train.num_examples // batch_size if drop_remainder
+                           else -(-train.num_examples // batch_size))
+        learning_rate = keras.optimizers.schedules.CosineDecay(
+            learning_rate, decay_steps=max(1, epochs * steps_per_epoch))
     with strategy.scope():
         model = build_model(train, seed)
         model.compile(
@@ -201,7 +215,8 @@ def main(argv):
         result = run(FLAGS.strategy, FLAGS.num_devices, FLAGS.communication, FLAGS.dataset,
                      FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
                      FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
-                     FLAGS.timeout_seconds, FLAGS.ps_mode, _pipeline_flags())
+                     FLAGS.timeout_seconds, FLAGS.ps_mode, _pipeline_flags(),
+                     FLAGS.learning_rate_decay)
     except Exception as error:
         message = _peer_failure(error)
         if message is None:
