@@ -42,6 +42,15 @@ these CPUs.
 
     python benchmarks/pipeline.py --schedules [--micro_batch 1024] [--rounds 5]
 
+With `--schedules --processes`, the same comparison with each stage on its own process, as
+the schedules assume: 2 worker servers on 127.0.0.1 (`tfpar.server`, one op at a time on
+one thread: one core each), this process their chief. A stage's idle time is then its
+core's: each worker's CPU time over the steps (from /proc) is measured, and the ceiling is
+two single-thread streams, one per worker, in the same run. Writes
+pipeline_schedules_processes.json.
+
+    python benchmarks/pipeline.py --schedules --processes [--rounds 5]
+
 With `--balance`, 1F1B (K=2 M=4) with its stages balanced by parameters against balanced
 by measured time, on a model whose parameters are mostly an embedding table (16.8M
 parameters, little work) before the MLP: each stage's idle time from a profiled step.
@@ -57,7 +66,9 @@ import multiprocessing
 import os
 import platform
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 
@@ -78,6 +89,8 @@ def parse_args():
                         help="Chrome trace of one GPipe step (a .png is written next to it)")
     parser.add_argument("--schedules", action="store_true",
                         help="compare 1F1B, interleaved, zero-bubble H1 and 2BW at K=2 M=4")
+    parser.add_argument("--processes", action="store_true",
+                        help="with --schedules: each stage a worker process on one core")
     parser.add_argument("--balance", action="store_true",
                         help="compare 1F1B balanced by parameters and by time (K=2 M=4)")
     add_common_args(parser, width=1024, layers=8, steps=2, rounds=5, out_name="pipeline.json")
@@ -87,7 +100,10 @@ def parse_args():
     if (args.schedules or args.balance) and "--num_micro_batches" not in " ".join(os.sys.argv):
         args.num_micro_batches = 4
     if args.schedules and "--out" not in " ".join(os.sys.argv):
-        args.out = os.path.join(RESULTS, "pipeline_schedules.json")
+        args.out = os.path.join(RESULTS, "pipeline_schedules" + (
+            "_processes.json" if args.processes else ".json"))
+    if args.processes and not args.schedules:
+        parser.error("--processes goes with --schedules")
     return args
 
 
@@ -244,45 +260,119 @@ SCHEDULES = {  # name: (schedule, virtual stages, balance_by)
 }
 
 
+def start_stage_workers(count):
+    """`count` worker servers of a local cluster whose chief is this process (its
+    TF_CONFIG is set), one thread per op. They die with this process."""
+    from tfpar.cluster.launcher import Task, make_cluster
+    from tfpar.cluster.tf_config import ClusterConfig
+
+    cluster = make_cluster(count, coordinator=True)
+    server = [sys.executable, "-m", "tfpar.server", "--intra_op_threads=1"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    tasks = [Task(ClusterConfig(cluster, "worker", i), server, env, WORKER_OUTPUT.append)
+             for i in range(count)]
+    os.environ["TF_CONFIG"] = ClusterConfig(cluster, "chief", 0).to_json()
+    return tasks
+
+
+WORKER_OUTPUT = []  # The worker servers' lines, printed if the run fails.
+
+
+def cpu_seconds(pid):
+    """User and system CPU time of process `pid` so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cores(run, pids):
+    """Per process in `pids`, its CPU time over the wall time of a call of `run`."""
+    before = [cpu_seconds(pid) for pid in pids]
+    start = time.perf_counter()
+    run()
+    wall = time.perf_counter() - start
+    return [(cpu_seconds(pid) - b) / wall for pid, b in zip(pids, before)]
+
+
 def compare_schedules(args):
     """1F1B, interleaved and zero-bubble side by side (see the module docstring)."""
     import tfpar
 
-    # (A third CPU, used only to time layers for balance_by="time".)
-    tfpar.virtual_cpus(3, one_core_each=True)
+    if args.processes:
+        tasks = start_stage_workers(2)
+        import tensorflow as tf
+
+        # One op at a time on each worker: the chief's setting reaches the workers' contexts
+        # (measured: not theirs).
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    else:
+        # (A third CPU, used only to time layers for balance_by="time".)
+        tfpar.virtual_cpus(3, one_core_each=True)
     import tensorflow as tf
 
     from _common import two_stream_ceiling
     from tfpar.plan.schedule import bubble_fraction
 
+    devices, connect = DEVICES, {}
+    if args.processes:
+        devices = [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(2)]
+        # The first strategy connects this process to the workers; the others find it so.
+        connect = {"cluster_resolver": tf.distribute.cluster_resolver.TFConfigClusterResolver()}
+
+    def make(schedule, virtual_stages, balance_by):
+        strategy = tfpar.PipelineStrategy(
+            devices, num_micro_batches=m, schedule=schedule, virtual_stages=virtual_stages,
+            balance_by=balance_by, **connect)
+        connect.clear()
+        return strategy
+
     m = args.num_micro_batches
     data = batch(m * args.micro_batch, args.width)
-    built = build({name: (lambda s=s, v=v, b=b: tfpar.PipelineStrategy(
-        DEVICES, num_micro_batches=m, schedule=s, virtual_stages=v, balance_by=b))
-        for name, (s, v, b) in SCHEDULES.items()}, args, data)
-    times = time_rounds({n: b[2] for n, b in built.items()}, args.rounds, args.steps)
+    try:
+        built = build({name: (lambda p=p: make(*p)) for name, p in SCHEDULES.items()}, args,
+                      data)
+        times = time_rounds({n: b[2] for n, b in built.items()}, args.rounds, args.steps)
+        ceiling = two_stream_ceiling(args.micro_batch, args.width, args.width, args.rounds,
+                                     args.steps, devices)
+        if args.processes:
+            # A stage's busy time is its process's CPU time: each worker has one core.
+            cores = {name: process_cores(b[2], [t.process.pid for t in tasks])
+                     for name, b in built.items()}
+    except Exception:
+        print("\n".join(WORKER_OUTPUT[-40:]))
+        raise
+    finally:
+        for task in tasks if args.processes else ():
+            task.signal(signal.SIGKILL)
     step = {name: statistics.median(t) for name, t in times.items()}
-    ceiling = two_stream_ceiling(args.micro_batch, args.width, args.width, args.rounds,
-                                 args.steps)
     rows, traces = {}, {}
-    cores = {name: profiled_cores(b[2])[0] for name, b in built.items()}
     for name, (strategy, model, _) in built.items():
+        rows[name] = {"step_ms": round(step[name] * 1000, 1),
+                      "speedup_vs_1F1B": round(step["1F1B"] / step[name], 3),
+                      "dry_run_bubble": round(bubble_fraction(strategy.schedule), 3),
+                      "chunks": strategy.stages(model)}
+        if args.processes:
+            rows[name]["idle_per_stage_cpu"] = [round(1 - c, 3) for c in cores[name]]
+            # Each chunk boundary is crossed by every micro-batch's activation forward and
+            # its gradient backward, between the two processes.
+            rows[name]["activations_between_processes_mb"] = round(
+                (len(rows[name]["chunks"]) - 1) * m * 2 * args.micro_batch * args.width * 4
+                / 2**20)
+            continue
         path = os.path.join(RESULTS, "pipeline_" + name.lower().replace(" ", "_").replace(
             "=", "") + ".json")
         events = strategy.trace(path, model, *data)
         traces[name] = os.path.relpath(path[:-5] + ".png")
-        rows[name] = {"step_ms": round(step[name] * 1000, 1),
-                      "speedup_vs_1F1B": round(step["1F1B"] / step[name], 3),
-                      "dry_run_bubble": round(bubble_fraction(strategy.schedule), 3),
-                      "idle_per_stage_traced": idle_per_stage(events, 2),
-                      "cores_busy": round(cores[name], 2),
-                      "chunks": strategy.stages(model)}
+        rows[name]["idle_per_stage_traced"] = idle_per_stage(events, 2)
+        rows[name]["cores_busy"] = round(profiled_cores(built[name][2])[0], 2)
     result = {
         "benchmark": "pipeline_schedules",
         "command": command_line("pipeline", args).replace(f" --trace={args.trace}", "")
-        .replace(" --remat=False", "").replace(" --schedules=True", " --schedules"),
+        .replace(" --remat=False", "").replace(" --schedules=True", " --schedules")
+        .replace(" --processes=True", " --processes").replace(" --processes=False", ""),
         "model": f"MLP {args.layers}x{args.width} + 10-way head, SGD, Keras train step",
-        "devices": "2 logical CPUs, one thread per op (intra-op 1)",
+        "devices": ("2 worker processes on 127.0.0.1, one core each (inter-op 1, intra-op 1)"
+                    if args.processes else "2 logical CPUs, one thread per op (intra-op 1)"),
         "global_batch": m * args.micro_batch, "micro_batch": args.micro_batch,
         "two_stream_ceiling": round(ceiling, 3), "rows": rows, "traces": traces,
         "tensorflow": tf.__version__, "host": platform.node(),
@@ -290,13 +380,17 @@ def compare_schedules(args):
     print(f"{result['model']}, K=2 M={m} x {args.micro_batch} rows, {result['devices']}, "
           f"median of {args.rounds} rounds x {args.steps} steps; two-stream ceiling "
           f"{result['two_stream_ceiling']}x")
-    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} "
-          f"{'idle s0, s1 (trace)':>20s} {'cores busy':>10s}")
+    idle, last, last_key = (
+        ("idle s0, s1 (CPU)", "MB moved", "activations_between_processes_mb") if args.processes
+        else ("idle s0, s1 (trace)", "cores busy", "cores_busy"))
+    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} {idle:>20s} {last:>10s}")
     for name, row in rows.items():
         print(f"{name:18s} {row['step_ms']:8.1f} {row['speedup_vs_1F1B']:8.3f} "
-              f"{row['dry_run_bubble']:7.3f} {str(row['idle_per_stage_traced']):>20s} "
-              f"{row['cores_busy']:10.2f}")
-    print("traces:", traces)
+              f"{row['dry_run_bubble']:7.3f} "
+              f"{str(row.get('idle_per_stage_cpu', row.get('idle_per_stage_traced'))):>20s} "
+              f"{row[last_key]:10}")
+    if traces:
+        print("traces:", traces)
     write_json(args.out, result)
 
 

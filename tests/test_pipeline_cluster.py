@@ -18,7 +18,7 @@ import time
 import pytest
 
 from cluster_helper import alive, children_of, launch, stop_launcher, wait_for_line
-from tfpar.cluster.launcher import Launcher, cluster_jobs, free_ports, make_cluster
+from tfpar.cluster.launcher import Launcher, Task, cluster_jobs, free_ports, make_cluster
 from tfpar.cluster.tf_config import ClusterConfig, TFConfigError, check_pipeline_cluster
 
 HERE = os.path.dirname(__file__)
@@ -251,3 +251,48 @@ def test_a_lost_stage_worker_is_named_and_other_errors_are_left_alone():
     assert workers.explain(ValueError("bad shape"), stages) is None
     lost = tf.errors.UnavailableError(None, None, "Socket closed")
     assert workers.explain(lost, ["/cpu:0", "/cpu:1"]) is None
+
+
+_CORES_PROBE = """
+import json, os, sys, time
+import tensorflow as tf
+tf.config.threading.set_inter_op_parallelism_threads(1)  # Reaches the worker's contexts.
+resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+tf.config.experimental_connect_to_cluster(resolver.cluster_spec(), job_name="chief")
+def cpu(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    a, b = tf.random.normal([2048, 2048]), tf.random.normal([2048, 2048])
+@tf.function
+def two_products():  # Independent: run at once if the worker may run two ops at a time.
+    with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+        return tf.reduce_sum(tf.matmul(a, b)) + tf.reduce_sum(tf.matmul(b, a))
+two_products()
+before, start = cpu(int(sys.argv[1])), time.perf_counter()
+for _ in range(8):
+    two_products().numpy()
+print(json.dumps({"cores": (cpu(int(sys.argv[1])) - before) / (time.perf_counter() - start)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_with_one_thread_per_op_and_a_chief_running_one_op_at_a_time_uses_one_core():
+    """`tfpar.server --intra_op_threads=1` and the chief's inter-op setting (which reaches the
+    worker: the pipeline benchmark's one core per stage) keep a worker on one core (its CPU
+    time over wall time, from /proc; two cores' worth without them)."""
+    cluster = make_cluster(1, coordinator=True)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    lines = []
+    worker = Task(ClusterConfig(cluster, "worker", 0),
+                  [PY, "-m", "tfpar.server", "--intra_op_threads=1"], env, lines.append)
+    try:
+        chief = subprocess.run(
+            [PY, "-c", _CORES_PROBE, str(worker.process.pid)], capture_output=True, text=True,
+            timeout=120, env=dict(env, TF_CONFIG=ClusterConfig(cluster, "chief", 0).to_json()))
+        assert chief.returncode == 0, chief.stderr[-3000:] + "\n".join(lines)
+        assert 0.5 < json.loads(chief.stdout.splitlines()[-1])["cores"] < 1.2
+    finally:
+        worker.signal(signal.SIGKILL)
+        worker.process.wait(10)

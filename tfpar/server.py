@@ -30,12 +30,14 @@ def serve(config, intra_op_threads=0):
             f"{config.task_type!r}. Run your training program on the chief instead.")
     import tensorflow as tf
 
-    if intra_op_threads:
-        tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+    # The server's devices take their threads per op from its session config. (How many
+    # ops run at once, in the functions a chief runs here, is the chief's setting: its
+    # context's config reaches every task it connects to, measured on TF 2.21.)
+    threads = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=intra_op_threads)
     server = tf.distribute.Server(
         tf.train.ClusterSpec({job: list(a) for job, a in config.cluster.items()}),
         job_name=config.task_type, task_index=config.task_index,
-        protocol=config.rpc_layer or "grpc", start=True)
+        protocol=config.rpc_layer or "grpc", config=threads, start=True)
     print(f"tfpar.server: {config.task_name} serving at {server.target}", flush=True)
     server.join()
 
