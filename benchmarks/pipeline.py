@@ -43,11 +43,13 @@ these CPUs.
     python benchmarks/pipeline.py --schedules [--micro_batch 1024] [--rounds 5]
 
 With `--schedules --processes`, the same comparison with each stage on its own process, as
-the schedules assume: 2 worker servers on 127.0.0.1 (`tfpar.server`, one op at a time on
-one thread: one core each), this process their chief. A stage's idle time is then its
-core's: each worker's CPU time over the steps (from /proc) is measured, and the ceiling is
-two single-thread streams, one per worker, in the same run. Writes
-pipeline_schedules_processes.json.
+the schedules assume: 2 worker servers on 127.0.0.1 (`tfpar.server`, one thread per op),
+worker i pinned to core i (CPU affinity), this process their chief. A stage's idle time is
+then its core's: each worker's CPU time over the steps (from /proc) is measured, and the
+ceiling is two single-thread streams, one per worker, in the same run. Each worker runs
+two ops at a time on its core: with one inter-op thread a stage sent each activation only
+after its next action (measured in a profile of the workers; 1F1B then took 1.45x longer).
+Writes pipeline_schedules_processes.json.
 
     python benchmarks/pipeline.py --schedules --processes [--rounds 5]
 
@@ -262,20 +264,26 @@ SCHEDULES = {  # name: (schedule, virtual stages, balance_by)
 
 def start_stage_workers(count):
     """`count` worker servers of a local cluster whose chief is this process (its
-    TF_CONFIG is set), one thread per op. They die with this process."""
+    TF_CONFIG is set), each on a core of its own, one thread per op. They die with this
+    process."""
     from tfpar.cluster.launcher import Task, make_cluster
     from tfpar.cluster.tf_config import ClusterConfig
 
     cluster = make_cluster(count, coordinator=True)
-    server = [sys.executable, "-m", "tfpar.server", "--intra_op_threads=1"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    tasks = [Task(ClusterConfig(cluster, "worker", i), server, env, WORKER_OUTPUT.append)
-             for i in range(count)]
+    cores = sorted(os.sched_getaffinity(0))
+    # Worker i may run only on core i: its threads (and the ones TensorFlow starts later)
+    # share that core, so a stage's idle time is its core's.
+    tasks = [Task(ClusterConfig(cluster, "worker", i),
+                  [sys.executable, "-c", PINNED_SERVER.format(core=cores[i % len(cores)])], env,
+                  WORKER_OUTPUT.append) for i in range(count)]
     os.environ["TF_CONFIG"] = ClusterConfig(cluster, "chief", 0).to_json()
     return tasks
 
 
 WORKER_OUTPUT = []  # The worker servers' lines, printed if the run fails.
+PINNED_SERVER = ("import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
+                 "[sys.executable, '-m', 'tfpar.server', '--intra_op_threads=1'])")
 
 
 def cpu_seconds(pid):
@@ -302,9 +310,10 @@ def compare_schedules(args):
         tasks = start_stage_workers(2)
         import tensorflow as tf
 
-        # One op at a time on each worker: the chief's setting reaches the workers' contexts
-        # (measured: not theirs).
-        tf.config.threading.set_inter_op_parallelism_threads(1)
+        # Two ops at a time on each (pinned) worker: the chief's setting reaches the workers'
+        # contexts, which would take one (their one core). With one, a stage's activation
+        # waits behind its whole next action: its send is queued, the action runs inline.
+        tf.config.threading.set_inter_op_parallelism_threads(2)
     else:
         # (A third CPU, used only to time layers for balance_by="time".)
         tfpar.virtual_cpus(3, one_core_each=True)
@@ -371,7 +380,8 @@ def compare_schedules(args):
         .replace(" --remat=False", "").replace(" --schedules=True", " --schedules")
         .replace(" --processes=True", " --processes").replace(" --processes=False", ""),
         "model": f"MLP {args.layers}x{args.width} + 10-way head, SGD, Keras train step",
-        "devices": ("2 worker processes on 127.0.0.1, one core each (inter-op 1, intra-op 1)"
+        "devices": ("2 worker processes on 127.0.0.1, each pinned to a core (intra-op 1, "
+                    "inter-op 2)"
                     if args.processes else "2 logical CPUs, one thread per op (intra-op 1)"),
         "global_batch": m * args.micro_batch, "micro_batch": args.micro_batch,
         "two_stream_ceiling": round(ceiling, 3), "rows": rows, "traces": traces,

@@ -253,6 +253,27 @@ def test_a_lost_stage_worker_is_named_and_other_errors_are_left_alone():
     assert workers.explain(lost, ["/cpu:0", "/cpu:1"]) is None
 
 
+def _run_on_a_chief(probe, server_flags, *args):
+    """Runs the Python code `probe` (with `args`) as the chief of a one-worker cluster
+    whose worker serves (`tfpar.server` with `server_flags`, its pid the probe's first
+    argument); returns the probe's last line of output."""
+    cluster = make_cluster(1, coordinator=True)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    lines = []
+    worker = Task(ClusterConfig(cluster, "worker", 0), [PY, "-m", "tfpar.server", *server_flags],
+                  env, lines.append)
+    try:
+        chief = subprocess.run(
+            [PY, "-c", probe, str(worker.process.pid), *map(str, args)], capture_output=True,
+            text=True, timeout=120,
+            env=dict(env, TF_CONFIG=ClusterConfig(cluster, "chief", 0).to_json()))
+        assert chief.returncode == 0, chief.stderr[-3000:] + "\n".join(lines)
+        return chief.stdout.splitlines()[-1]
+    finally:
+        worker.signal(signal.SIGKILL)
+        worker.process.wait(10)
+
+
 _CORES_PROBE = """
 import json, os, sys, time
 import tensorflow as tf
@@ -279,20 +300,46 @@ print(json.dumps({"cores": (cpu(int(sys.argv[1])) - before) / (time.perf_counter
 
 @pytest.mark.slow
 def test_a_worker_with_one_thread_per_op_and_a_chief_running_one_op_at_a_time_uses_one_core():
-    """`tfpar.server --intra_op_threads=1` and the chief's inter-op setting (which reaches the
-    worker: the pipeline benchmark's one core per stage) keep a worker on one core (its CPU
-    time over wall time, from /proc; two cores' worth without them)."""
-    cluster = make_cluster(1, coordinator=True)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    lines = []
-    worker = Task(ClusterConfig(cluster, "worker", 0),
-                  [PY, "-m", "tfpar.server", "--intra_op_threads=1"], env, lines.append)
-    try:
-        chief = subprocess.run(
-            [PY, "-c", _CORES_PROBE, str(worker.process.pid)], capture_output=True, text=True,
-            timeout=120, env=dict(env, TF_CONFIG=ClusterConfig(cluster, "chief", 0).to_json()))
-        assert chief.returncode == 0, chief.stderr[-3000:] + "\n".join(lines)
-        assert 0.5 < json.loads(chief.stdout.splitlines()[-1])["cores"] < 1.2
-    finally:
-        worker.signal(signal.SIGKILL)
-        worker.process.wait(10)
+    """`tfpar.server --intra_op_threads=1` and the chief's inter-op setting, which reaches the
+    contexts it opens on the workers (the pipeline benchmark relies on it), keep a worker on
+    one core: its CPU time over wall time, from /proc (1.9 without the chief's setting)."""
+    line = _run_on_a_chief(_CORES_PROBE, ["--intra_op_threads=1"])
+    assert 0.5 < json.loads(line)["cores"] < 1.2, line
+
+
+_TRACE_PROBE = """
+import glob, os, sys, threading, time
+import tensorflow as tf
+from tensorflow.tsl.profiler.protobuf import xplane_pb2
+resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+tf.config.experimental_connect_to_cluster(resolver.cluster_spec(), job_name="chief")
+with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+    a = tf.random.normal([512, 512])
+@tf.function
+def product():
+    with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
+        return tf.reduce_sum(tf.matmul(a, a, name="traced_product"))
+product()
+stop = threading.Event()
+def work():
+    while not stop.is_set():
+        product().numpy()
+threading.Thread(target=work, daemon=True).start()
+tf.profiler.experimental.client.trace(f"grpc://127.0.0.1:{sys.argv[2]}", sys.argv[3], 1500)
+stop.set()
+names = set()
+for path in glob.glob(os.path.join(sys.argv[3], "plugins", "profile", "*", "*.xplane.pb")):
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(open(path, "rb").read())
+    names |= {m.name for p in space.planes for m in p.event_metadata.values()}
+print(sum("traced_product" in n for n in names))
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_served_with_a_profiler_port_can_be_traced_from_the_chief(tmp_path):
+    """`tfpar.server --profiler_port=P`: the chief records the worker's ops with
+    tf.profiler.experimental.client.trace (how stage workers are profiled)."""
+    [port] = free_ports(1)
+    line = _run_on_a_chief(_TRACE_PROBE, [f"--profiler_port={port}"], port, tmp_path)
+    assert int(line) >= 1, line

@@ -19,10 +19,14 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("intra_op_threads", 0,
                      "Threads one op may use (0: TensorFlow's default, all cores).")
 
+flags.DEFINE_integer("profiler_port", 0,
+                     "Also serve TensorFlow's profiler on this port (0: no), so that "
+                     "tf.profiler.experimental.client.trace can record this task.")
+
 SERVED_JOBS = ("worker", "ps")
 
 
-def serve(config, intra_op_threads=0):
+def serve(config, intra_op_threads=0, profiler_port=0):
     """Starts the server of `config`'s task and blocks until the process is killed."""
     if config.task_type not in SERVED_JOBS:
         raise ValueError(
@@ -38,6 +42,8 @@ def serve(config, intra_op_threads=0):
         tf.train.ClusterSpec({job: list(a) for job, a in config.cluster.items()}),
         job_name=config.task_type, task_index=config.task_index,
         protocol=config.rpc_layer or "grpc", config=threads, start=True)
+    if profiler_port:
+        tf.profiler.experimental.server.start(profiler_port)
     print(f"tfpar.server: {config.task_name} serving at {server.target}", flush=True)
     server.join()
 
@@ -49,7 +55,7 @@ def main(argv):
     if config.task_type is None:
         sys.exit("tfpar.server: TF_CONFIG has no 'task'; say which task this process serves, "
                  "e.g. \"task\": {\"type\": \"worker\", \"index\": 0}.")
-    serve(config, FLAGS.intra_op_threads)
+    serve(config, FLAGS.intra_op_threads, FLAGS.profiler_port)
 
 
 def entry():
