@@ -29,7 +29,7 @@ flags.DEFINE_integer("num_devices", 2, "Devices to use; on a host with no GPU, l
 flags.DEFINE_string("communication", "auto", "All-reduce for --strategy=data.")
 flags.DEFINE_string("dataset", "spirals", "'spirals' (built in) or a tfds name prepared in --data_dir.")
 flags.DEFINE_string("data_dir", None, "tfds data directory (tfpar never downloads).")
-flags.DEFINE_integer("epochs", 20, "Epochs to train (a resumed run stops at the same total).")
+flags.DEFINE_integer("epochs", 10, "Epochs to train (a resumed run stops at the same total).")
 flags.DEFINE_integer("batch_size", 64, "Global batch size, split evenly over the replicas.")
 flags.DEFINE_float("learning_rate", 0.01, "Adam learning rate (the first, with cosine decay).")
 flags.DEFINE_enum("learning_rate_decay", "cosine", ("cosine", "none"),
@@ -120,7 +120,7 @@ def callbacks_for(model_dir, log_dir):
 
 
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
-        data_dir=None, epochs=20, batch_size=64, learning_rate=0.01, model_dir=None,
+        data_dir=None, epochs=10, batch_size=64, learning_rate=0.01, model_dir=None,
         log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None,
         learning_rate_decay="cosine"):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second.
