@@ -404,7 +404,8 @@ def test_through_the_data_service_every_epoch_reads_each_batch_exactly_once(tmp_
     assert run.returncode == 0, run.stdout[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["data_service"].startswith("grpc://127.0.0.1:")
-    assert result["seen_counts"] == [3] * 20  # 3 epochs of the same 20 batches.
+    assert result["steps_run"] == 3 * 20, result
+    assert result["seen_counts"] == [3] * 20, result  # 3 epochs of the same 20 batches.
 
 
 @pytest.mark.slow

@@ -351,7 +351,7 @@ def run_exact(strategy, result):
     keras.mixed_precision.set_global_policy("float32")
 
     # Which batches an epoch reads: each worker its own shard, not all of them the same.
-    result["seen_counts"] = _batches_seen(strategy, epochs=1)
+    result["seen_counts"] = _batches_seen(strategy, epochs=1)[0]
 
     # TerminateOnNaN sees the batch logs.
     with strategy.scope():
@@ -382,7 +382,8 @@ def run_exact(strategy, result):
 
 
 def _batches_seen(strategy, epochs):
-    """How often async fit read each of 20 batches (counted by a metric on the ps)."""
+    """How often async fit read each of 20 batches (counted by a metric on the ps), in all
+    and per epoch, and the steps the optimizer ran."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -408,16 +409,20 @@ def _batches_seen(strategy, epochs):
         counter = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         counter.compile(keras.optimizers.SGD(0.0), "mse", metrics=[seen], steps_per_execution=10)
     batch_ids = np.repeat(np.arange(20), 8).astype("float32")[:, None]
-    counts = np.zeros(20)
+    per_epoch = []
     for _ in range(epochs):  # fit resets the metric each epoch
         counter.fit(batch_ids, batch_ids, batch_size=8, shuffle=False, epochs=1, verbose=0)
-        counts += seen.counts.numpy() / 8
-    return [int(c) for c in counts]
+        per_epoch.append([int(c) for c in seen.counts.numpy() / 8])
+    # Steps run, counted apart from the metric: a batch counted short with every step run
+    # means a lost count, not a lost batch.
+    iterations = int(counter.optimizer.iterations.numpy())
+    return [sum(c) for c in zip(*per_epoch)], per_epoch, iterations
 
 
 def run_data_service(strategy, result):
     result["data_service"] = strategy.data_service
-    result["seen_counts"] = _batches_seen(strategy, epochs=3)
+    result["seen_counts"], result["seen_per_epoch"], result["steps_run"] = _batches_seen(
+        strategy, epochs=3)
 
 
 def run_faults(strategy, result):
