@@ -49,7 +49,9 @@ then its core's: each worker's CPU time over the steps (from /proc) is measured,
 ceiling is two single-thread streams, one per worker, in the same run. Each worker runs
 two ops at a time on its core: with one inter-op thread a stage sent each activation only
 after its next action (measured in a profile of the workers; 1F1B then took 1.45x longer).
-Writes pipeline_schedules_processes.json.
+One step of each schedule is traced across the processes (`PipelineStrategy.trace` with
+each worker's profiler server, `tfpar.server --profiler_port`): pictures
+`pipeline_processes_*.png`. Writes pipeline_schedules_processes.json.
 
     python benchmarks/pipeline.py --schedules --processes [--rounds 5]
 
@@ -262,28 +264,37 @@ SCHEDULES = {  # name: (schedule, virtual stages, balance_by)
 }
 
 
+def trace_path(name, prefix=""):
+    """Where the trace of schedule `name` goes (a picture next to it)."""
+    return os.path.join(RESULTS, f"pipeline_{prefix}" + name.lower().replace(" ", "_").replace(
+        "=", "") + ".json")
+
+
 def start_stage_workers(count):
     """`count` worker servers of a local cluster whose chief is this process (its
-    TF_CONFIG is set), each on a core of its own, one thread per op. They die with this
-    process."""
-    from tfpar.cluster.launcher import Task, make_cluster
+    TF_CONFIG is set), each on a core of its own, one thread per op, each with a profiler
+    server. They die with this process. Returns (tasks, {"worker:i": profiler address})."""
+    from tfpar.cluster.launcher import Task, free_ports, make_cluster
     from tfpar.cluster.tf_config import ClusterConfig
 
     cluster = make_cluster(count, coordinator=True)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     cores = sorted(os.sched_getaffinity(0))
+    ports = free_ports(count)
     # Worker i may run only on core i: its threads (and the ones TensorFlow starts later)
     # share that core, so a stage's idle time is its core's.
     tasks = [Task(ClusterConfig(cluster, "worker", i),
-                  [sys.executable, "-c", PINNED_SERVER.format(core=cores[i % len(cores)])], env,
+                  [sys.executable, "-c", PINNED_SERVER.format(core=cores[i % len(cores)],
+                                                              port=ports[i])], env,
                   WORKER_OUTPUT.append) for i in range(count)]
     os.environ["TF_CONFIG"] = ClusterConfig(cluster, "chief", 0).to_json()
-    return tasks
+    return tasks, {f"worker:{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports)}
 
 
 WORKER_OUTPUT = []  # The worker servers' lines, printed if the run fails.
 PINNED_SERVER = ("import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
-                 "[sys.executable, '-m', 'tfpar.server', '--intra_op_threads=1'])")
+                 "[sys.executable, '-m', 'tfpar.server', '--intra_op_threads=1', "
+                 "'--profiler_port={port}'])")
 
 
 def cpu_seconds(pid):
@@ -307,7 +318,7 @@ def compare_schedules(args):
     import tfpar
 
     if args.processes:
-        tasks = start_stage_workers(2)
+        tasks, profilers = start_stage_workers(2)
         import tensorflow as tf
 
         # Two ops at a time on each (pinned) worker: the chief's setting reaches the workers'
@@ -337,6 +348,7 @@ def compare_schedules(args):
 
     m = args.num_micro_batches
     data = batch(m * args.micro_batch, args.width)
+    events = {}  # name: the Chrome trace events of one profiled step
     try:
         built = build({name: (lambda p=p: make(*p)) for name, p in SCHEDULES.items()}, args,
                       data)
@@ -347,6 +359,10 @@ def compare_schedules(args):
             # A stage's busy time is its process's CPU time: each worker has one core.
             cores = {name: process_cores(b[2], [t.process.pid for t in tasks])
                      for name, b in built.items()}
+            # One profiled step each, the workers' ops recorded by their own profilers.
+            for name, (strategy, model, _) in built.items():
+                events[name] = strategy.trace(trace_path(name, "processes_"), model, *data,
+                                              profilers=profilers)
     except Exception:
         print("\n".join(WORKER_OUTPUT[-40:]))
         raise
@@ -367,13 +383,12 @@ def compare_schedules(args):
             rows[name]["activations_between_processes_mb"] = round(
                 (len(rows[name]["chunks"]) - 1) * m * 2 * args.micro_batch * args.width * 4
                 / 2**20)
-            continue
-        path = os.path.join(RESULTS, "pipeline_" + name.lower().replace(" ", "_").replace(
-            "=", "") + ".json")
-        events = strategy.trace(path, model, *data)
-        traces[name] = os.path.relpath(path[:-5] + ".png")
-        rows[name]["idle_per_stage_traced"] = idle_per_stage(events, 2)
-        rows[name]["cores_busy"] = round(profiled_cores(built[name][2])[0], 2)
+        else:
+            events[name] = strategy.trace(trace_path(name), model, *data)
+            rows[name]["cores_busy"] = round(profiled_cores(built[name][2])[0], 2)
+        traces[name] = os.path.relpath(trace_path(name, "processes_" if args.processes
+                                                  else "")[:-5] + ".png")
+        rows[name]["idle_per_stage_traced"] = idle_per_stage(events[name], 2)
     result = {
         "benchmark": "pipeline_schedules",
         "command": command_line("pipeline", args).replace(f" --trace={args.trace}", "")
@@ -392,13 +407,13 @@ def compare_schedules(args):
           f"{result['two_stream_ceiling']}x")
     idle, last, last_key = (
         ("idle s0, s1 (CPU)", "MB moved", "activations_between_processes_mb") if args.processes
-        else ("idle s0, s1 (trace)", "cores busy", "cores_busy"))
-    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} {idle:>20s} {last:>10s}")
+        else ("", "cores busy", "cores_busy"))
+    print(f"{'schedule':18s} {'ms':>8s} {'vs 1F1B':>8s} {'bubble':>7s} "
+          f"{'idle s0, s1 (trace)':>20s} {idle:>20s} {last:>10s}")
     for name, row in rows.items():
         print(f"{name:18s} {row['step_ms']:8.1f} {row['speedup_vs_1F1B']:8.3f} "
-              f"{row['dry_run_bubble']:7.3f} "
-              f"{str(row.get('idle_per_stage_cpu', row.get('idle_per_stage_traced'))):>20s} "
-              f"{row[last_key]:10}")
+              f"{row['dry_run_bubble']:7.3f} {str(row['idle_per_stage_traced']):>20s} "
+              f"{str(row.get('idle_per_stage_cpu', '')):>20s} {row[last_key]:10}")
     if traces:
         print("traces:", traces)
     write_json(args.out, result)

@@ -23,14 +23,58 @@ def pytest_configure(config):
         config.option.testrunuid = uuid.uuid4().hex
 
 
+def pytest_sessionstart(session):
+    # (After pytest's faulthandler plugin has pointed faulthandler at stderr.)
+    # A pytest process that crashes (a fatal signal in TensorFlow) dumps its threads' stacks
+    # into a file, which the controlling process prints last: the end of a CI log is what
+    # gets read, and there the stderr dump showed only its tail (xdist's own thread).
+    config = session.config
+    if hasattr(config, "workerinput"):
+        import faulthandler
+
+        config._tfpar_crash_log = open(_crash_log(config, config.workerinput["workerid"]), "w")
+        faulthandler.enable(file=config._tfpar_crash_log, all_threads=True)
+
+
+def _crash_log(config, worker="*"):
+    import tempfile
+
+    # (A pytest-xdist process reads the run id from its environment.)
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or config.option.testrunuid
+    return os.path.join(tempfile.gettempdir(), f"tfpar-crash-{run_id}-{worker}.log")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    import glob
+    import re
+
+    if hasattr(config, "workerinput") or getattr(config.option, "testrunuid", None) is None:
+        return
+    for path in sorted(glob.glob(_crash_log(config))):
+        with open(path) as f:
+            # The signal and the crashed thread's stack (most recent call first) go first;
+            # pytest's own frames say nothing.
+            lines = [line for line in f.read().splitlines()
+                     if not re.search(r"/(_pytest|pluggy|xdist|execnet)/", line)]
+        current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")),
+                       len(lines))
+        lines = lines[:1] + lines[current:] + lines[1:current]
+        if lines:
+            terminalreporter.section(f"a pytest process crashed: {os.path.basename(path)}")
+            terminalreporter.line("\n".join(lines[:30]))
+
+
 def pytest_unconfigure(config):
     run_id = getattr(config.option, "testrunuid", None)
     if run_id and not hasattr(config, "workerinput"):
+        import glob
         import shutil
         import tempfile
 
         shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfpar-conformance-{run_id}"),
                       ignore_errors=True)
+        for path in glob.glob(_crash_log(config)):
+            os.remove(path)
 
 
 @pytest.hookimpl(tryfirst=True)  # (Before xdist's own, which reads the groups.)

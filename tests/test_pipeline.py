@@ -274,13 +274,9 @@ def _action_of(name):
     return found and found[1]
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
-    x, y = data
-    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=3, schedule="1f1b",
-                                      remat=remat)
-    model = pipelined(strategy)
-    model.fit(x[:24], y[:24], batch_size=24, verbose=0)
+def _traced_step(model):
+    """The nodes of the pipeline step that fit ran, by action ("1B0"), and a function
+    giving a node's ancestors (through data and control inputs)."""
     functions = [c for f in tf_functions_in(model.train_function)
                  for c in f._list_all_concrete_functions()]
     graphs = [list(f.node_def) for c in functions for f in c.graph.as_graph_def().library.function]
@@ -291,14 +287,6 @@ def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
         action = _action_of(node.name)
         if action is not None:
             actions.setdefault(action, []).append(node)
-    # Forward and backward compute on the stage's device.
-    for action, members in actions.items():
-        compute = [n for n in members if n.op in COMPUTE_OPS]
-        assert compute, action
-        for node in compute:
-            assert device_index(node.device) == int(action[0]), (action, node.name, node.device)
-    assert any(n.op == "BiasAddGrad" for n in actions["0B0"])
-
     ancestors = {}
 
     def ancestors_of(name):
@@ -310,6 +298,25 @@ def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
                     ancestors[name] |= {parent} | ancestors_of(parent)
         return ancestors[name]
 
+    return actions, ancestors_of
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=3, schedule="1f1b",
+                                      remat=remat)
+    model = pipelined(strategy)
+    model.fit(x[:24], y[:24], batch_size=24, verbose=0)
+    actions, ancestors_of = _traced_step(model)
+    # Forward and backward compute on the stage's device.
+    for action, members in actions.items():
+        compute = [n for n in members if n.op in COMPUTE_OPS]
+        assert compute, action
+        for node in compute:
+            assert device_index(node.device) == int(action[0]), (action, node.name, node.device)
+    assert any(n.op == "BiasAddGrad" for n in actions["0B0"])
+
     # Each action's compute waits for the stage's previous action (control dependencies).
     for order in strategy.schedule.stage_orders:
         for before, after in zip(order, order[1:]):
@@ -317,6 +324,29 @@ def test_every_action_runs_on_its_stage_device_after_the_previous(data, remat):
             for node in actions[str(after)]:
                 if node.op in COMPUTE_OPS:
                     assert ancestors_of(node.name) & previous, (str(before), str(after), node.name)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_stages_wait_for_each_other_only_through_the_data_they_send(v, data):
+    """No control input crosses stages: a stage waits for another only for an activation or a
+    gradient. (TF's automatic control dependencies chain, in program order, every stateful op
+    without a resource input; a W that started with such an op held up the other stage's
+    next I, on the critical path.)"""
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="zero_bubble_h1",
+                                      virtual_stages=v)
+    model = pipelined(strategy)
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+    actions, _ = _traced_step(model)
+    stage = {n.name: int(re.match(r"\d+", a)[0]) % 2 for a, members in actions.items()
+             for n in members}
+    nodes = [n for members in actions.values() for n in members]
+    crossing = [(n.name, inp) for n in nodes for inp in n.input
+                if inp.startswith("^") and stage.get(inp[1:], stage[n.name]) != stage[n.name]]
+    markers = [n for a, members in actions.items() if "W" in a for n in members
+               if n.name.endswith("/start")]
+    assert len(markers) == 4 * v * 2
+    assert not crossing, crossing[:3]
 
 
 @pytest.mark.parametrize("schedule,v,actions", [("1f1b", 1, 2), ("zero_bubble_h1", 2, 3)])
@@ -327,6 +357,9 @@ def test_trace_writes_a_timeline_in_schedule_order(schedule, v, actions, data, t
     strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule=schedule,
                                       virtual_stages=v)
     model = pipelined(strategy)
+    with pytest.raises(ValueError, match="profilers= is for stages on other tasks, but every "
+                                         "stage of this pipeline is in this process"):
+        strategy.trace(str(tmp_path / "step.json"), model, x, y, profilers={"worker:1": "h:1"})
     events = strategy.trace(str(tmp_path / "step.json"), model, x[:BATCH], y[:BATCH])
     with open(tmp_path / "step.json") as f:
         assert json.load(f)["traceEvents"] == events

@@ -253,6 +253,23 @@ def test_a_lost_stage_worker_is_named_and_other_errors_are_left_alone():
     assert workers.explain(lost, ["/cpu:0", "/cpu:1"]) is None
 
 
+def test_trace_takes_a_profiler_for_each_worker_that_holds_a_stage_and_no_other():
+    from tfpar.distribute.pipeline.workers import StageWorkers
+
+    workers = StageWorkers({"/job:worker/replica:0/task:1": "127.0.0.1:1"})
+    stages = ["/cpu:0", WORKER.format(1), WORKER.format(2)]
+    assert workers.profiler_addresses(stages, {"worker:2": "h:2", "/job:worker/task:1": "h:1"}) \
+        == ["h:1", "h:2"]
+    with pytest.raises(ValueError, match=r"worker:2 \(stages \[2\]\) has none given\. .*"
+                                         r"profilers=\{'worker:2': 'host:P'\}"):
+        workers.profiler_addresses(stages, {"worker:1": "h:1"})
+    with pytest.raises(ValueError, match=r"profilers names worker:0, which hold no stage of this "
+                                         r"pipeline; stages on other tasks: worker:1, worker:2"):
+        workers.profiler_addresses(stages, {"worker:0": "h", "worker:1": "h", "worker:2": "h"})
+    with pytest.raises(ValueError, match=r"named like 'worker:1'. Received: 'worker'"):
+        workers.profiler_addresses(stages, {"worker": "h"})
+
+
 def _run_on_a_chief(probe, server_flags, *args):
     """Runs the Python code `probe` (with `args`) as the chief of a one-worker cluster
     whose worker serves (`tfpar.server` with `server_flags`, its pid the probe's first
@@ -308,38 +325,50 @@ def test_a_worker_with_one_thread_per_op_and_a_chief_running_one_op_at_a_time_us
 
 
 _TRACE_PROBE = """
-import glob, os, sys, threading, time
-import tensorflow as tf
-from tensorflow.tsl.profiler.protobuf import xplane_pb2
-resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-tf.config.experimental_connect_to_cluster(resolver.cluster_spec(), job_name="chief")
-with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
-    a = tf.random.normal([512, 512])
-@tf.function
-def product():
-    with tf.device("/job:worker/replica:0/task:0/device:CPU:0"):
-        return tf.reduce_sum(tf.matmul(a, a, name="traced_product"))
-product()
-stop = threading.Event()
-def work():
-    while not stop.is_set():
-        product().numpy()
-threading.Thread(target=work, daemon=True).start()
-tf.profiler.experimental.client.trace(f"grpc://127.0.0.1:{sys.argv[2]}", sys.argv[3], 1500)
-stop.set()
-names = set()
-for path in glob.glob(os.path.join(sys.argv[3], "plugins", "profile", "*", "*.xplane.pb")):
-    space = xplane_pb2.XSpace()
-    space.ParseFromString(open(path, "rb").read())
-    names |= {m.name for p in space.planes for m in p.event_metadata.values()}
-print(sum("traced_product" in n for n in names))
+import json, sys
+import keras, numpy as np, tensorflow as tf
+import tfpar
+tf.config.threading.set_inter_op_parallelism_threads(2)  # (Sends go out at once.)
+strategy = tfpar.PipelineStrategy(
+    ["/job:chief/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:0/device:CPU:0"],
+    num_micro_batches=2, schedule="1f1b",
+    cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+with strategy.scope():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(256, activation="tanh"), keras.layers.Dense(3)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x, y = np.random.rand(512, 64).astype("float32"), np.random.randint(0, 3, 512)
+out = {}
+try:
+    strategy.trace(sys.argv[3] + "/step.json", model, x, y)
+except ValueError as error:
+    out["error"] = str(error)
+events = strategy.trace(sys.argv[3] + "/step.json", model, x, y,
+                        profilers={"worker:0": f"127.0.0.1:{sys.argv[2]}"})
+out["spans"] = [(e["name"], e["tid"], e["ts"], e["dur"]) for e in events if e["ph"] == "X"]
+print(json.dumps(out))
 """
 
 
 @pytest.mark.slow
-def test_a_worker_served_with_a_profiler_port_can_be_traced_from_the_chief(tmp_path):
-    """`tfpar.server --profiler_port=P`: the chief records the worker's ops with
-    tf.profiler.experimental.client.trace (how stage workers are profiled)."""
+def test_trace_records_a_stage_on_a_worker_through_its_profiler(tmp_path):
+    """A pipeline with stage 0 on the chief and stage 1 on a worker served with
+    `tfpar.server --profiler_port=P`: trace() records both (the worker's ops through its
+    profiler), each in schedule order, on one clock: a forward starts only after the one that
+    sent its input ended, across the processes. Without the worker's profiler, trace() says
+    what to pass."""
     [port] = free_ports(1)
-    line = _run_on_a_chief(_TRACE_PROBE, [f"--profiler_port={port}"], port, tmp_path)
-    assert int(line) >= 1, line
+    out = json.loads(_run_on_a_chief(_TRACE_PROBE, [f"--profiler_port={port}"], port, tmp_path))
+    assert ("worker:0 (stages [1]) has none given. Serve each worker with `python -m "
+            "tfpar.server --profiler_port=P` and pass profilers={'worker:0': 'host:P'}"
+            in out["error"]), out["error"]
+    spans = {name: (row, start, start + length) for name, row, start, length in out["spans"]}
+    rows = [sorted((n for n, (r, _, _) in spans.items() if r == row), key=lambda n: spans[n][1])
+            for row in (0, 1)]
+    assert rows == [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]], spans
+    # (Microseconds.) A forward's activation is its last op; a backward sends the input
+    # gradient while its weight gradients may still run.
+    for sender, receiver in [("0F0", "1F0"), ("0F1", "1F1")]:
+        assert spans[receiver][1] >= spans[sender][2] - 1, (sender, receiver, out["spans"])
+    for sender, receiver in [("1B0", "0B0"), ("1B1", "0B1")]:
+        assert spans[receiver][1] > spans[sender][1], (sender, receiver, out["spans"])

@@ -43,9 +43,61 @@ def action_of_op(name):
     return int(match[1]), f"{match[2]}{kind}{match[4]}"
 
 
-def profiled_ops(logdir):
+def record_ops(step, profilers=(), step_seconds=1.0):
+    """Runs `step()` once under TensorFlow's profiler, in this process and in each task whose
+    profiler server is in `profilers` ("host:port", `tfpar.server --profiler_port`); returns
+    the ops they all recorded, as `profiled_ops` does. Tasks on other hosts are as far apart
+    as the hosts' clocks."""
+    import shutil
+    import tempfile
+    import threading
+    import time
+
+    import tensorflow as tf
+
+    logdir = tempfile.mkdtemp(prefix="tfpar_trace_")
+    # A task's profiler records for a fixed time from when the request reaches it: the step
+    # starts after a margin, and the time covers the step three times over.
+    margin = 1.0 if profilers else 0.0
+    duration_ms = int((margin + 3 * step_seconds + 1.0) * 1000)
+    failed = []
+
+    def record(address, directory):
+        try:
+            tf.profiler.experimental.client.trace(f"grpc://{address}", directory, duration_ms)
+        except Exception as error:  # Reported below, with the task's address.
+            failed.append(f"{address}: {type(error).__name__}: {error}")
+
+    directories = [os.path.join(logdir, f"task{i}") for i in range(len(profilers))]
+    threads = [threading.Thread(target=record, args=pair, daemon=True)
+               for pair in zip(profilers, directories)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(margin)
+        tf.profiler.experimental.start(os.path.join(logdir, "here"))
+        try:
+            step()
+        finally:
+            tf.profiler.experimental.stop()
+        for thread in threads:
+            thread.join(duration_ms / 1000 + 60)
+        if failed or any(t.is_alive() for t in threads):
+            raise RuntimeError(f"Could not record the step on another task's profiler: "
+                               f"{'; '.join(failed) or 'no answer in time'}.")
+        absolute = bool(directories)
+        ops = profiled_ops(os.path.join(logdir, "here"), absolute)
+        for directory in directories:
+            ops += profiled_ops(directory, absolute)
+        return ops
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def profiled_ops(logdir, absolute=False):
     """`(op name, op type, start s, end s, thread)` of every op TensorFlow's profiler wrote
-    to `logdir`."""
+    to `logdir`; times from the profile's start, or with `absolute` from the epoch (to put
+    several tasks' profiles on one timeline)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     paths = sorted(glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")))
@@ -54,6 +106,20 @@ def profiled_ops(logdir):
     space = xplane_pb2.XSpace()
     with open(paths[-1], "rb") as f:
         space.ParseFromString(f.read())
+    origin = 0.0
+    if absolute:
+        # Lines are timed from the profile's start, which TensorFlow records apart.
+        starts = [st.int64_value or st.uint64_value for plane in space.planes
+                  if plane.name == "Task Environment" for st in plane.stats
+                  if plane.stat_metadata[st.metadata_id].name == "profile_start_time"]
+        if not starts:
+            import tensorflow as tf
+
+            raise RuntimeError(
+                f"The profile in {logdir} has no profile_start_time (TensorFlow "
+                f"{tf.__version__}), so profiles of several tasks cannot be put on one "
+                f"timeline; tfpar was built against TensorFlow 2.21.")
+        origin = starts[0] * 1e-9
     ops = []
     for plane in space.planes:
         for line in plane.lines:
@@ -61,7 +127,7 @@ def profiled_ops(logdir):
                 match = _OP_EVENT.match(plane.event_metadata[event.metadata_id].name)
                 if match is None:
                     continue
-                start = line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
+                start = origin + line.timestamp_ns * 1e-9 + event.offset_ps * 1e-12
                 ops.append((match[1], match[2], start, start + event.duration_ps * 1e-12,
                             line.name))
     return ops
@@ -142,6 +208,8 @@ def draw_timeline(path, spans, row_names, title, width=1400):
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     font, small = _font(14), _font(11)
+    # Room for the longest row name (a worker's device name is long).
+    left = max(left, 20 + int(max(draw.textlength(name, font=small) for name in row_names)))
     draw.text((left, 14), title, fill="black", font=font)
     scale = (width - left - right) / total_ms
 

@@ -44,9 +44,8 @@ replicas, by the mean over replicas).
 # pylint: disable=protected-access
 
 import dataclasses
-import shutil
-import tempfile
 import threading
+import time
 import types
 
 import tensorflow as tf
@@ -246,7 +245,8 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         self._place(model)
         return [stage.layer_names for stage in model._tfpar_pipeline.stages]
 
-    def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1):
+    def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1,
+              profilers=None):
         """Profiles a real training step of `model` on one batch; writes its timeline.
 
         Runs `warmup_steps` steps (at least 1: the first one builds the step), then
@@ -255,11 +255,23 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         chrome://tracing or Perfetto) and a picture next to it (`path` with a `.png`
         suffix). The model trains on the batch, as with `model.train_on_batch`.
 
+        Stages on other tasks (worker processes) are recorded by their own profilers:
+        serve each with `python -m tfpar.server --profiler_port=P` and pass
+        `profilers={"worker:1": "host:P"}`.
+
         Returns:
           The Chrome trace events (a list of dicts).
         """
         from tfpar.viz import pipeline_trace
 
+        stage_devices = [d for row in self._grid for d in row]
+        if self._workers is not None:
+            addresses = self._workers.profiler_addresses(stage_devices, profilers)
+        elif profilers:
+            raise ValueError(f"profilers= is for stages on other tasks, but every stage of "
+                             f"this pipeline is in this process. Received: {profilers!r}")
+        else:
+            addresses = []
         data = tuple(v for v in (x, y, sample_weight) if v is not None)
         dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
         iterator = iter(self.experimental_distribute_dataset(dataset))
@@ -268,18 +280,15 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         def step(iterator):
             return self.run(model.train_step, args=(next(iterator),))
 
+        def run_step():
+            # (Through a tensor's value: a step on other tasks is over when its result is here.)
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                                  step(iterator), expand_composites=True)
+
         for _ in range(max(1, warmup_steps)):
-            step(iterator)
-        logdir = tempfile.mkdtemp(prefix="tfpar_trace_")
-        try:
-            tf.profiler.experimental.start(logdir)
-            try:
-                step(iterator)
-            finally:
-                tf.profiler.experimental.stop()
-            ops = pipeline_trace.profiled_ops(logdir)
-        finally:
-            shutil.rmtree(logdir, ignore_errors=True)
+            start = time.perf_counter()
+            run_step()
+        ops = pipeline_trace.record_ops(run_step, addresses, time.perf_counter() - start)
         spans = pipeline_trace.action_spans(ops, self.num_stages)
         if not spans:
             raise PlacementError(

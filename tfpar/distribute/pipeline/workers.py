@@ -81,6 +81,35 @@ class StageWorkers:
                 f"Across worker processes run one pipeline: num_replicas=1, with one stage "
                 f"per worker (cluster_resolver=..., devices=None) or the devices you list.")
 
+    def profiler_addresses(self, stage_devices, profilers):
+        """The profiler servers ("host:port") of the other tasks that hold stages, from
+        `profilers` ({'worker:1' or '/job:worker/task:1': "host:port"}).
+
+        Raises:
+          ValueError: a task that holds a stage has none, or `profilers` names another.
+        """
+        host = devices_lib.host_task()
+        stages = {}  # task -> [stage]
+        for stage, device in enumerate(stage_devices):
+            if devices_lib.task_of(device) != host:
+                stages.setdefault(devices_lib.task_of(device), []).append(stage)
+        given = {_canonical_task(task): address for task, address in (profilers or {}).items()}
+        unknown = sorted(set(given) - set(stages))
+        if unknown:
+            raise ValueError(
+                f"profilers names {', '.join(map(_task_name, unknown))}, which hold no stage "
+                f"of this pipeline; stages on other tasks: "
+                f"{', '.join(map(_task_name, stages)) or 'none'}.")
+        missing = [t for t in stages if t not in given]
+        if missing:
+            raise ValueError(
+                f"trace() records each task's ops with that task's own profiler, and "
+                f"{' and '.join(f'{_task_name(t)} (stages {stages[t]})' for t in missing)} "
+                f"{'has' if len(missing) == 1 else 'have'} none given. Serve each worker with "
+                f"`python -m tfpar.server --profiler_port=P` and pass profilers="
+                f"{{{', '.join(repr(_task_name(t)) + ': ' + repr('host:P') for t in missing)}}}.")
+        return [given[t] for t in stages]
+
     def explain(self, error, stage_devices):
         """A ClusterError for `error` if it comes from a lost stage task, else None."""
         host = devices_lib.host_task()
@@ -171,6 +200,18 @@ def _task_name(task):
     """'worker:1' for '/job:worker/replica:0/task:1'."""
     job, _, index = task.split("/")[1:4]
     return f"{job[4:]}:{index[5:]}"
+
+
+def _canonical_task(task):
+    """'/job:worker/replica:0/task:1' for 'worker:1' or any device or task string of it."""
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"A task in profilers is named like 'worker:1'. Received: {task!r}")
+    if not task.startswith("/"):
+        job, _, index = task.partition(":")
+        if not index.isdigit():
+            raise ValueError(f"A task in profilers is named like 'worker:1'. Received: {task!r}")
+        task = f"/job:{job}/task:{index}"
+    return devices_lib.task_of(task)
 
 
 def _first_line(error):
