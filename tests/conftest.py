@@ -32,16 +32,46 @@ def pytest_sessionstart(session):
     if hasattr(config, "workerinput"):
         import faulthandler
 
-        config._tfpar_crash_log = open(_crash_log(config, config.workerinput["workerid"]), "w")
+        worker = config.workerinput["workerid"]
+        config._tfpar_crash_log = open(_crash_log(config, worker), "w")
         faulthandler.enable(file=config._tfpar_crash_log, all_threads=True)
+        config._tfpar_stall_log = open(_crash_log(config, worker, "stall"), "w")
 
 
-def _crash_log(config, worker="*"):
+# An in-process test that runs past this long has its threads' stacks written down (it goes on),
+# and printed at the end of the run: such tests take seconds alone, but three suite runs saw one
+# stall for 83-175 s, cause unknown. (Multi-process tests keep pytest.ini's faulthandler_timeout.)
+STALL_SECONDS = 70
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    log = getattr(item.config, "_tfpar_stall_log", None)
+    if log is None or item.get_closest_marker("slow") is not None:
+        yield
+        return
+    import faulthandler
+    import time
+
+    start = time.monotonic()
+    faulthandler.dump_traceback_later(STALL_SECONDS, file=log)  # (Replaces pytest's timer.)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        took = time.monotonic() - start
+        if took > STALL_SECONDS:
+            log.write(f"STALLED: {item.nodeid} took {took:.0f} s (the stacks above are from "
+                      f"{STALL_SECONDS} s in)\n")
+            log.flush()
+
+
+def _crash_log(config, worker="*", kind="crash"):
     import tempfile
 
     # (A pytest-xdist process reads the run id from its environment.)
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID") or config.option.testrunuid
-    return os.path.join(tempfile.gettempdir(), f"tfpar-crash-{run_id}-{worker}.log")
+    return os.path.join(tempfile.gettempdir(), f"tfpar-{kind}-{run_id}-{worker}.log")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -50,18 +80,26 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if hasattr(config, "workerinput") or getattr(config.option, "testrunuid", None) is None:
         return
-    for path in sorted(glob.glob(_crash_log(config))):
-        with open(path) as f:
-            # The signal and the crashed thread's stack (most recent call first) go first;
-            # pytest's own frames say nothing.
-            lines = [line for line in f.read().splitlines()
-                     if not re.search(r"/(_pytest|pluggy|xdist|execnet)/", line)]
-        current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")),
-                       len(lines))
-        lines = lines[:1] + lines[current:] + lines[1:current]
-        if lines:
-            terminalreporter.section(f"a pytest process crashed: {os.path.basename(path)}")
-            terminalreporter.line("\n".join(lines[:30]))
+    for kind, limit in (("stall", 60), ("crash", 30)):
+        for path in sorted(glob.glob(_crash_log(config, kind=kind))):
+            with open(path) as f:
+                # The signal and the crashed thread's stack (most recent call first) go
+                # first; pytest's own frames say nothing.
+                lines = [line for line in f.read().splitlines()
+                         if not re.search(r"/(_pytest|pluggy|xdist|execnet)/", line)]
+            if kind == "crash":
+                main = next((i for i, line in enumerate(lines)
+                             if line.startswith("Current thread")), len(lines))
+                lines = lines[:1] + lines[main:] + lines[1:main]
+            else:  # The stalled tests' names, and each thread's frames in these packages.
+                lines = [line for line in lines if line.startswith(("STALLED", "Thread")) or
+                         re.search(r"/(tests|tfpar|keras|tensorflow)/", line)]
+                lines = [line for i, line in enumerate(lines) if not line.startswith("Thread")
+                         or (i + 1 < len(lines) and lines[i + 1].startswith("  "))]
+            if lines:
+                what = "crashed" if kind == "crash" else "stalled"
+                terminalreporter.section(f"a test {what}: {os.path.basename(path)}")
+                terminalreporter.line("\n".join(lines[:limit]))
 
 
 def pytest_unconfigure(config):
@@ -73,7 +111,7 @@ def pytest_unconfigure(config):
 
         shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfpar-conformance-{run_id}"),
                       ignore_errors=True)
-        for path in glob.glob(_crash_log(config)):
+        for path in glob.glob(_crash_log(config)) + glob.glob(_crash_log(config, kind="stall")):
             os.remove(path)
 
 

@@ -57,6 +57,7 @@ from tfpar.distribute import mirrored_placement
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
+from tfpar.distribute.pipeline import profiling
 from tfpar.distribute.pipeline import workers as stage_workers
 from tfpar.distribute.pipeline.weight_versions import WeightVersions
 from tfpar.distribute.placement import canonical_device
@@ -288,7 +289,7 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         for _ in range(max(1, warmup_steps)):
             start = time.perf_counter()
             run_step()
-        ops = pipeline_trace.record_ops(run_step, addresses, time.perf_counter() - start)
+        ops = profiling.record_ops(run_step, addresses, time.perf_counter() - start)
         spans = pipeline_trace.action_spans(ops, self.num_stages)
         if not spans:
             raise PlacementError(
