@@ -80,7 +80,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if hasattr(config, "workerinput") or getattr(config.option, "testrunuid", None) is None:
         return
-    for kind, limit in (("stall", 60), ("crash", 30)):
+    for kind, limit in (("stall", 80), ("crash", 30)):
         for path in sorted(glob.glob(_crash_log(config, kind=kind))):
             with open(path) as f:
                 # The signal and the crashed thread's stack (most recent call first) go
@@ -91,11 +91,10 @@ def pytest_terminal_summary(terminalreporter, config):
                 main = next((i for i, line in enumerate(lines)
                              if line.startswith("Current thread")), len(lines))
                 lines = lines[:1] + lines[main:] + lines[1:main]
-            else:  # The stalled tests' names, and each thread's frames in these packages.
-                lines = [line for line in lines if line.startswith(("STALLED", "Thread")) or
-                         re.search(r"/(tests|tfpar|keras|tensorflow)/", line)]
-                lines = [line for i, line in enumerate(lines) if not line.startswith("Thread")
-                         or (i + 1 < len(lines) and lines[i + 1].startswith("  "))]
+            else:  # Every thread's stack: one of them may hold what the test waits for.
+                lines = [line for i, line in enumerate(lines) if line.strip() and (
+                    not line.startswith(("Thread", "Current thread"))
+                    or (i + 1 < len(lines) and lines[i + 1].startswith("  ")))]
             if lines:
                 what = "crashed" if kind == "crash" else "stalled"
                 terminalreporter.section(f"a test {what}: {os.path.basename(path)}")

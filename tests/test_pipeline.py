@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from tfpar.distribute.pipeline import profiling
 from tfpar.distribute.pipeline import strategy as pipeline_lib
 from tfpar.viz.pipeline_trace import action_of_op
 from tfpar.errors import BatchSizeError, DeviceError, PlacementError, ScheduleError
@@ -350,7 +351,8 @@ def test_stages_wait_for_each_other_only_through_the_data_they_send(v, data):
 
 
 @pytest.mark.parametrize("schedule,v,actions", [("1f1b", 1, 2), ("zero_bubble_h1", 2, 3)])
-def test_trace_writes_a_timeline_in_schedule_order(schedule, v, actions, data, tmp_path):
+def test_trace_writes_a_timeline_in_schedule_order(schedule, v, actions, data, tmp_path,
+                                                   monkeypatch):
     """Every action timed on its stage's row, in schedule order; a split backward's I and
     W apart (chunk c on stage c % K)."""
     x, y = data
@@ -374,6 +376,13 @@ def test_trace_writes_a_timeline_in_schedule_order(schedule, v, actions, data, t
 
     with Image.open(tmp_path / "step.png") as image:
         assert image.size[0] > 600
+    # A profile that holds no op of a stage (another task's profiler that started late) is
+    # an error, not a picture with an empty row.
+    record = profiling.record_ops
+    monkeypatch.setattr(profiling, "record_ops", lambda *args: [
+        op for op in record(*args) if (action_of_op(op[0]) or (0, "0"))[1][0] in "02"])
+    with pytest.raises(RuntimeError, match="recorded no action of stage 1: /cpu:1: its profile"):
+        strategy.trace(str(tmp_path / "step.json"), model, x[:BATCH], y[:BATCH])
 
 
 # --- Stages, markers, tables ----------------------------------------------------------------

@@ -298,6 +298,11 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         rows = [f"r{r} stage {s}: {self._name(device)}" if len(self._grid) > 1
                 else f"stage {s}: {self._name(device)}"
                 for r, row in enumerate(self._grid) for s, device in enumerate(row)]
+        empty = [name for i, name in enumerate(rows) if not any(s[1] == i for s in spans)]
+        if empty:
+            # (A task's profiler that started after the step did, or recorded elsewhere.)
+            raise RuntimeError(f"trace() recorded no action of {', '.join(empty)}: its profile "
+                               f"holds none of the step's ops. Profilers given: {profilers!r}.")
         title = (f"{self._schedule.name}: {self.num_stages} stages x {self.num_micro_batches} "
                  f"micro-batches{' (remat)' if self._remat else ''}"
                  f"{f', {len(self._grid)} replicas' if len(self._grid) > 1 else ''}: one step")
