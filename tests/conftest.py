@@ -51,9 +51,14 @@ def pytest_runtest_call(item):
         yield
         return
     import faulthandler
+    import resource
     import time
 
-    start = time.monotonic()
+    # What the process did meanwhile tells a stall's kind: this thread's CPU time (low: it
+    # waited, for the interpreter lock or for a core), the whole process's, and major page
+    # faults (memory paged back in).
+    start, thread_cpu = time.monotonic(), time.thread_time()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     faulthandler.dump_traceback_later(STALL_SECONDS, file=log)  # (Replaces pytest's timer.)
     try:
         yield
@@ -61,8 +66,14 @@ def pytest_runtest_call(item):
         faulthandler.cancel_dump_traceback_later()
         took = time.monotonic() - start
         if took > STALL_SECONDS:
-            log.write(f"STALLED: {item.nodeid} took {took:.0f} s (the stacks above are from "
-                      f"{STALL_SECONDS} s in)\n")
+            now = resource.getrusage(resource.RUSAGE_SELF)
+            log.write(
+                f"STALLED: {item.nodeid} took {took:.0f} s (the stacks above are from "
+                f"{STALL_SECONDS} s in); CPU time meanwhile: this thread "
+                f"{time.thread_time() - thread_cpu:.1f} s, the process "
+                f"{now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime:.1f} s; "
+                f"major page faults {now.ru_majflt - usage.ru_majflt}; host load "
+                f"{os.getloadavg()[0]:.1f}\n")
             log.flush()
 
 
@@ -95,6 +106,8 @@ def pytest_terminal_summary(terminalreporter, config):
                 lines = [line for i, line in enumerate(lines) if line.strip() and (
                     not line.startswith(("Thread", "Current thread"))
                     or (i + 1 < len(lines) and lines[i + 1].startswith("  ")))]
+                lines = ([line for line in lines if line.startswith("STALLED")] +
+                         [line for line in lines if not line.startswith("STALLED")])
             if lines:
                 what = "crashed" if kind == "crash" else "stalled"
                 terminalreporter.section(f"a test {what}: {os.path.basename(path)}")
