@@ -88,11 +88,8 @@ class StageWorkers:
         Raises:
           ValueError: a task that holds a stage has none, or `profilers` names another.
         """
-        host = devices_lib.host_task()
-        stages = {}  # task -> [stage]
-        for stage, device in enumerate(stage_devices):
-            if devices_lib.task_of(device) != host:
-                stages.setdefault(devices_lib.task_of(device), []).append(stage)
+        stages = {task: [stage for stage, _ in held]
+                  for task, held in _stages_elsewhere(stage_devices).items()}
         given = {_canonical_task(task): address for task, address in (profilers or {}).items()}
         unknown = sorted(set(given) - set(stages))
         if unknown:
@@ -112,12 +109,7 @@ class StageWorkers:
 
     def explain(self, error, stage_devices):
         """A ClusterError for `error` if it comes from a lost stage task, else None."""
-        host = devices_lib.host_task()
-        stages = {}  # task -> [(stage, device)]
-        for stage, device in enumerate(stage_devices):
-            task = devices_lib.task_of(device)
-            if task != host:
-                stages.setdefault(task, []).append((stage, device))
+        stages = _stages_elsewhere(stage_devices)
         if not stages or not isinstance(error, tf.errors.OpError):
             return None
         lost = [t for t in stages if t in self.addresses and not listening(self.addresses[t])]
@@ -200,6 +192,17 @@ def _task_name(task):
     """'worker:1' for '/job:worker/replica:0/task:1'."""
     job, _, index = task.split("/")[1:4]
     return f"{job[4:]}:{index[5:]}"
+
+
+def _stages_elsewhere(stage_devices):
+    """{task: [(stage, device)]} of the stages on tasks other than this process's."""
+    host = devices_lib.host_task()
+    stages = {}
+    for stage, device in enumerate(stage_devices):
+        task = devices_lib.task_of(device)
+        if task != host:
+            stages.setdefault(task, []).append((stage, device))
+    return stages
 
 
 def _canonical_task(task):
