@@ -441,7 +441,7 @@ def compare_balance(args):
     step = {name: statistics.median(t) for name, t in times.items()}
     rows, traces = {}, {}
     for name, (strategy, model, _) in built.items():
-        path = os.path.join(RESULTS, "pipeline_balance_" + name.replace(" ", "_") + ".json")
+        path = trace_path(name, "balance_")
         events = strategy.trace(path, model, *data)
         traces[name] = os.path.relpath(path[:-5] + ".png")
         rows[name] = {"step_ms": round(step[name] * 1000, 1),
