@@ -92,7 +92,9 @@ def test_evaluate_and_predict_see_each_example_once(async_run):
     assert result["evaluate"]["accuracy"] == pytest.approx(result["local_evaluate"]["accuracy"])
     assert result["evaluate"]["loss"] == pytest.approx(result["local_evaluate"]["loss"], rel=1e-5)
     assert result["predict_shape"] == [result["test_examples"], 3]
-    assert result["predict_max_difference"] < 1e-5
+    # Another process's kernels may round differently (1.1e-5 seen in CI on logits); an example
+    # out of place or seen twice would differ by a good part of the logits' scale.
+    assert result["predict_max_difference"] < 1e-4 * max(1.0, result["predict_scale"])
 
 
 @pytest.mark.slow
