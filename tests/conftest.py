@@ -36,6 +36,25 @@ def pytest_sessionstart(session):
         config._tfpar_crash_log = open(_crash_log(config, worker), "w")
         faulthandler.enable(file=config._tfpar_crash_log, all_threads=True)
         config._tfpar_stall_log = open(_crash_log(config, worker, "stall"), "w")
+        # Another process watches this one's in-process tests (tests/stall_watch.py): a
+        # stalled process cannot be trusted to report on itself.
+        import subprocess
+        import sys
+
+        config._tfpar_stall_watch = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "stall_watch.py"),
+             str(os.getpid()), str(STALL_SECONDS), _crash_log(config, worker, "native")],
+            stdin=subprocess.PIPE)
+
+
+def pytest_sessionfinish(session):
+    watch = getattr(session.config, "_tfpar_stall_watch", None)
+    if watch is not None:
+        watch.stdin.close()  # (It exits at end of input.)
+        try:
+            watch.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - never let the watcher outlive the run
+            watch.kill()
 
 
 # An in-process test that runs past this long has its threads' stacks written down (it goes on),
@@ -59,11 +78,14 @@ def pytest_runtest_call(item):
     # faults (memory paged back in).
     start, thread_cpu = time.monotonic(), time.thread_time()
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    watch = item.config._tfpar_stall_watch
+    _tell(watch, f"start {item.nodeid}")
     faulthandler.dump_traceback_later(STALL_SECONDS, file=log)  # (Replaces pytest's timer.)
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+        _tell(watch, "stop")
         took = time.monotonic() - start
         if took > STALL_SECONDS:
             now = resource.getrusage(resource.RUSAGE_SELF)
@@ -75,6 +97,14 @@ def pytest_runtest_call(item):
                 f"major page faults {now.ru_majflt - usage.ru_majflt}; host load "
                 f"{os.getloadavg()[0]:.1f}\n")
             log.flush()
+
+
+def _tell(watch, line):
+    try:
+        watch.stdin.write(f"{line}\n".encode())
+        watch.stdin.flush()
+    except OSError:  # (A watcher that died takes no test down with it.)
+        pass
 
 
 def _crash_log(config, worker="*", kind="crash"):
@@ -91,7 +121,7 @@ def pytest_terminal_summary(terminalreporter, config):
 
     if hasattr(config, "workerinput") or getattr(config.option, "testrunuid", None) is None:
         return
-    for kind, limit in (("stall", 80), ("crash", 30)):
+    for kind, limit in (("stall", 80), ("native", 150), ("crash", 30)):
         for path in sorted(glob.glob(_crash_log(config, kind=kind))):
             with open(path) as f:
                 # The signal and the crashed thread's stack (most recent call first) go
@@ -102,7 +132,7 @@ def pytest_terminal_summary(terminalreporter, config):
                 main = next((i for i, line in enumerate(lines)
                              if line.startswith("Current thread")), len(lines))
                 lines = lines[:1] + lines[main:] + lines[1:main]
-            else:  # Every thread's stack: one of them may hold what the test waits for.
+            elif kind == "stall":  # Every thread's stack: one may hold what the test waits for.
                 lines = [line for i, line in enumerate(lines) if line.strip() and (
                     not line.startswith(("Thread", "Current thread"))
                     or (i + 1 < len(lines) and lines[i + 1].startswith("  ")))]
@@ -110,6 +140,7 @@ def pytest_terminal_summary(terminalreporter, config):
                          [line for line in lines if not line.startswith("STALLED")])
             if lines:
                 what = "crashed" if kind == "crash" else "stalled"
+                what += " (seen from outside)" if kind == "native" else ""
                 terminalreporter.section(f"a test {what}: {os.path.basename(path)}")
                 terminalreporter.line("\n".join(lines[:limit]))
 
@@ -123,8 +154,9 @@ def pytest_unconfigure(config):
 
         shutil.rmtree(os.path.join(tempfile.gettempdir(), f"tfpar-conformance-{run_id}"),
                       ignore_errors=True)
-        for path in glob.glob(_crash_log(config)) + glob.glob(_crash_log(config, kind="stall")):
-            os.remove(path)
+        for kind in ("crash", "stall", "native"):
+            for path in glob.glob(_crash_log(config, kind=kind)):
+                os.remove(path)
 
 
 @pytest.hookimpl(tryfirst=True)  # (Before xdist's own, which reads the groups.)
