@@ -47,6 +47,19 @@ DP4_FEATURES = ["loss_sum_over_batch_size", "loss_mean_with_sample_weight", "sam
                 "uneven_global_batch", "partial_last_batch", "metrics_confusion",
                 "batchnorm", "batchnorm_synchronized", "dropout_seeded",
                 "activity_regularizer", "add_loss"]
+# Features run under GPipe (1F1B, whose runtime it shares, runs them all; only the order of
+# the micro-batches' forward and backward passes differs): those with state or losses made
+# in the forward pass, or updated per micro-batch, and the refusals.
+GPIPE_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight",
+                  "masked_rnn_per_timestep", "masked_pooling", "uneven_global_batch",
+                  "partial_last_batch", "batchnorm", "batchnorm_synchronized", "dropout_seeded",
+                  "activity_regularizer", "add_loss", "gradient_accumulation", "mixed_float16",
+                  "recompile", "subclassed_model", "custom_train_step", "save_keras_load"]
+# Features run on pipeline replicas (R=2 x K=2): those whose numbers depend on how a batch
+# splits over replicas (as for 4 replicas) and over micro-batches, and the refusals.
+PIPELINE_REPLICA_FEATURES = DP4_FEATURES + ["gradient_accumulation", "mixed_float16", "recompile",
+                                             "subclassed_model", "custom_train_step",
+                                             "save_keras_load"]
 # Features run under PipeDream-2BW (1F1B's order, updates one step late), each compared with
 # a one-device run of the same delayed rule (semantics.DelayedUpdates).
 TWO_BW_FEATURES = ["loss_sum", "sample_weight", "partial_last_batch", "add_loss",
@@ -84,7 +97,7 @@ MESH_BFLOAT16 = ("within:0.02:on a mesh, a sum over a split dimension (a row-par
 
 
 def _expected():
-    every = harness.STRATEGY_IDS + ["dp4"]
+    every = harness.STRATEGY_IDS + ["dp4", "gpipe", "pipe_r2k2"]
     cells = {(f, s): EQUAL for f in harness.FEATURE_NAMES for s in every}
     for s in PIPELINES:
         cells["masked_rnn_per_timestep", s] = "error:ValueError:its outputs are masked"
@@ -119,6 +132,10 @@ def _expected():
             cells[f, "zb"] = cells[f, "1f1b"]
         if f in TWO_BW_FEATURES:
             cells[f, "2bw"] = DELAYED_UPDATES
+        if f not in GPIPE_FEATURES:
+            cells.pop((f, "gpipe"))
+        if f not in PIPELINE_REPLICA_FEATURES:
+            cells.pop((f, "pipe_r2k2"))
     return cells
 
 

@@ -50,12 +50,14 @@ STRATEGIES = {
                                          schedule="zero_bubble_h1"),
     "2bw": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="2bw"),
 }
-# Strategies run on every feature; "dp4", "zero2", "zb" (zero-bubble H1: the backward split
-# into input and weight gradients) and "2bw" run on representative subsets
-# (expected.DP4_FEATURES: those whose numbers depend on the replica count, as dp2 runs all;
-# expected.ZERO2_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their
-# code and run on all; expected.TWO_BW_FEATURES).
-SUBSET_COLUMNS = ("dp4", "zero2", "zb", "2bw")
+# Strategies run on every feature; "dp4", "zero2", "gpipe", "pipe_r2k2", "zb" (zero-bubble
+# H1: the backward split into input and weight gradients) and "2bw" run on representative
+# subsets (expected.DP4_FEATURES, expected.PIPELINE_REPLICA_FEATURES: those whose numbers
+# depend on the replica count, as dp2 runs all; expected.ZERO2_FEATURES,
+# expected.GPIPE_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their
+# code and run on all; expected.TWO_BW_FEATURES). (The subsets keep the suite's time down:
+# a cell costs 2-14 s, mostly TensorFlow tracing.)
+SUBSET_COLUMNS = ("dp4", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
