@@ -90,6 +90,43 @@ def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worke
 
 
 @pytest.mark.slow
+def test_a_stopped_stage_worker_ends_the_chief_with_its_name_and_the_job_resumes(tmp_path):
+    """SIGSTOP, not SIGKILL: the worker's kernel still accepts connections and TensorFlow
+    waits for it without end. Before: the chief hung until `tfpar launch --timeout`."""
+    timeout = 8
+    command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--max_restarts=1",
+               "--grace_seconds=2", "--timeout=300", "--",
+               PY, CHIEF, f"--out={tmp_path}", "--pause_after=0", f"--stage_timeout={timeout}"]
+    launcher, lines, reader = launch(command)
+    try:
+        wait_for_line("[chief:0] PAUSED", launcher, lines, timeout=120)
+        [worker] = children_of(launcher.pid, "worker", 1)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        (tmp_path / "killed").touch()
+        wait_for_line("[chief:0] tfpar: worker:1", launcher, lines, timeout=timeout + 60)
+        noticed = time.monotonic() - stopped
+        assert launcher.wait(timeout=180) == 0, "".join(lines)[-5000:]
+    finally:
+        stop_launcher(launcher)
+    reader.join(10)
+    out = "".join(lines)
+    first, rerun = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
+    assert first["probes"] == ["answers", "answers"]  # Live tfpar.server workers answer.
+    assert re.search(
+        r"\[chief:0\] tfpar: worker:1 \(127\.0\.0\.1:\d+\), which holds stage 1 of the "
+        r"pipeline on /job:worker/replica:0/task:1/device:CPU:0, has not answered for \d+ s: "
+        r"its process is stopped or hung", out), out[-4000:]
+    assert timeout <= noticed < timeout + 30
+    assert (f"[launcher] chief:0 exited with code -{int(signal.SIGTERM)}: restarting the job "
+            f"(restart 1 of 1)" in out), out[-4000:]
+    # The rerun (on fresh workers) resumed from epoch 0's backup and ends as one device.
+    assert first["epochs_run"] == [0]  # (Written at the pause: then it was ended.)
+    assert rerun["epochs_run"] == [1, 2] and rerun["start_iterations"] == 3
+    assert rerun["epoch_differences"]["2"] < 1e-5
+
+
+@pytest.mark.slow
 def test_the_training_binary_pipelines_across_workers_under_the_launcher():
     command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--timeout=240", "--",
                PY, "-m", "tfpar.train", "--strategy=pipeline", "--epochs=1",
@@ -251,6 +288,81 @@ def test_a_lost_stage_worker_is_named_and_other_errors_are_left_alone():
     assert workers.explain(ValueError("bad shape"), stages) is None
     lost = tf.errors.UnavailableError(None, None, "Socket closed")
     assert workers.explain(lost, ["/cpu:0", "/cpu:1"]) is None
+
+
+def test_answers_tells_a_serving_task_from_a_silent_one_and_a_gone_one():
+    import threading
+
+    from tfpar.cluster.probe import answers
+
+    def http2_server(server):  # Sends a SETTINGS frame, as every gRPC server does first.
+        connection, _ = server.accept()
+        with connection:
+            connection.recv(24)
+            connection.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+    with socket.create_server(("127.0.0.1", 0)) as serving, \
+            socket.create_server(("127.0.0.1", 0)) as stopped:
+        threading.Thread(target=http2_server, args=(serving,), daemon=True).start()
+        assert answers(f"127.0.0.1:{serving.getsockname()[1]}", 5.0) == "answers"
+        # A stopped process's kernel still accepts the connection; nothing answers.
+        start = time.monotonic()
+        assert answers(f"127.0.0.1:{stopped.getsockname()[1]}", 0.3) == "silent"
+        assert 0.25 < time.monotonic() - start < 3
+    [gone] = free_ports(1)
+    assert answers(f"127.0.0.1:{gone}", 5.0) == "refuses"
+
+
+def test_a_task_silent_for_the_timeout_gets_its_name_printed_and_the_process_ended():
+    import io
+    import threading
+
+    from tfpar.cluster import silence_watch
+
+    tasks = [["worker:0", "127.0.0.1:1000", "stage 0 of the pipeline on /cpu:0"],
+             ["worker:1", "127.0.0.1:1001", "stage 1 of the pipeline on /cpu:1"]]
+    silent = {"127.0.0.1:1000": "answers", "127.0.0.1:1001": "silent"}
+
+    def watch(states, commands, timeout_seconds=0.4, end_after=None):
+        """Runs the watch on a sleeping child; returns (what it returned, the child's exit
+        code or None if it still runs, the printed text, seconds)."""
+        child = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+        read, write = os.pipe()
+        os.write(write, "".join(f"{c}\n" for c in commands).encode())
+        if end_after is not None:
+            threading.Timer(end_after, os.close, args=(write,)).start()
+        out, start = io.StringIO(), time.monotonic()
+        try:
+            got = silence_watch.watch(child.pid, timeout_seconds, tasks, commands_fd=read,
+                                      probe=lambda address, t: states[address], out=out)
+            took = time.monotonic() - start
+            code = child.wait(timeout=10) if got is not None else child.poll()
+        finally:
+            child.kill()
+            child.wait()
+            os.close(read)
+            if end_after is None:
+                os.close(write)
+        return got, code, out.getvalue(), took
+
+    got, code, text, took = watch(silent, ["watch"])
+    assert (got, code) == ("worker:1", -signal.SIGTERM)
+    assert 0.4 <= took < 5
+    assert text.startswith("tfpar: worker:1 (127.0.0.1:1001), which holds stage 1 of the "
+                           "pipeline on /cpu:1, has not answered for ")
+    assert "BackupAndRestore" in text and "stage_timeout_seconds" in text
+    # Not while idle; not for tasks that answer, or refuse (gone: TensorFlow names those).
+    for states, commands in [(silent, ["watch", "idle"]),
+                             ({a: "answers" for a in silent}, ["watch"]),
+                             ({a: "refuses" for a in silent}, ["watch"])]:
+        assert watch(states, commands, 0.2, end_after=1.5)[:3] == (None, None, ""), states
+
+
+def test_stage_timeout_must_be_positive_or_none():
+    import tfpar
+
+    with pytest.raises(ValueError, match="stage_timeout_seconds must be a number of seconds"):
+        tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], stage_timeout_seconds=0)
 
 
 def test_trace_takes_a_profiler_for_each_worker_that_holds_a_stage_and_no_other():

@@ -9,7 +9,8 @@
    worker task, M=4, Adam; `fit` with `BackupAndRestore(DIR/backup)`, 3 steps an epoch.
 3. With --pause_after=E, in a run that starts from scratch: after epoch E's backup the
    chief prints "PAUSED" and waits (at most 120 s) for the file DIR/killed, which the test
-   creates once it has killed a worker; then training goes on, and fails.
+   creates once it has killed (or stopped) a worker; then training goes on, and fails (or,
+   with a stopped worker, this process exits after --stage_timeout seconds).
 
 Each run writes DIR/run<k>.json (k = 0, 1, ... in the order of the runs): what it placed
 where, each epoch's distance to the reference, and the error that ended it, if any.
@@ -33,6 +34,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for the backup and the results.")
 flags.DEFINE_integer("epochs", 3, "Epochs of 3 steps.")
 flags.DEFINE_integer("pause_after", None, "Wait for DIR/killed after this epoch's backup.")
+flags.DEFINE_float("stage_timeout", 120.0, "PipelineStrategy(stage_timeout_seconds=...).")
 
 EXAMPLES = 48
 BATCH = 16  # 3 steps an epoch, micro-batches of 4.
@@ -113,8 +115,13 @@ def main(argv):
     keras.backend.clear_session()  # Nothing of this process's TensorFlow is used after.
 
     strategy = tfpar.PipelineStrategy(
-        num_micro_batches=4,
+        num_micro_batches=4, stage_timeout_seconds=FLAGS.stage_timeout,
         cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    # What the silent-worker watch sees of a live worker's gRPC server.
+    from tfpar.cluster.probe import answers
+
+    result["probes"] = [answers(address) for address in
+                        json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]]
     result["stage_devices"] = list(strategy.stage_devices[0])
     with strategy.scope():
         model = _compile(common.model())

@@ -1,7 +1,9 @@
-"""Is every task of a cluster listening? Plain sockets, no TensorFlow.
+"""Is every task of a cluster listening, and answering? Plain sockets, no TensorFlow.
 
 TensorFlow's own connection to a missing task retries for a long time; probing
-first turns that into a clear error within the timeout.
+first turns that into a clear error within the timeout. A stopped process (or one
+cut off by the network) still has its connections accepted by the kernel, so
+`answers` asks for more: the gRPC server's first HTTP/2 frame.
 """
 
 import socket
@@ -52,3 +54,33 @@ def listening(address):
             return True
     except OSError:
         return False
+
+
+# An HTTP/2 client's connection preface and an empty SETTINGS frame (RFC 9113, 3.4): every
+# HTTP/2 server, gRPC's included, answers with a SETTINGS frame of its own at once.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
+def answers(address, timeout_seconds=5.0):
+    """How a task's gRPC server at "host:port" responds now: "answers" (it sent its HTTP/2
+    SETTINGS frame), "refuses" (no process listens: it is gone), or "silent" (accepted by
+    the kernel, or not even that, but nothing answered within `timeout_seconds`: the
+    process is stopped or hung, or the network drops its packets)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=timeout_seconds) as connection:
+            connection.settimeout(timeout_seconds)
+            connection.sendall(_HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:  # A frame header: length (3), type (1), flags, stream.
+                chunk = connection.recv(9 - len(header))
+                if not chunk:
+                    return "refuses"  # Closed on us: not an HTTP/2 server that lives.
+                header += chunk
+            return "answers" if header[3] == _SETTINGS else "refuses"
+    except ConnectionError:  # Refused or reset: nothing lives there.
+        return "refuses"
+    except OSError:  # A timeout, or a host that cannot be reached.
+        return "silent"

@@ -214,10 +214,16 @@ def install_multi_worker_callbacks():
 
 def _explaining_cluster_errors(method):
     def wrapper(self, *args, **kwargs):
+        import contextlib
+
         import tensorflow as tf
 
+        # A strategy that can tell a task gone silent (a pipeline's stage workers) watches
+        # while the call runs: TensorFlow would wait for such a task without end.
+        watching = getattr(self.distribute_strategy, "_tfpar_watching", None)
         try:
-            return method(self, *args, **kwargs)
+            with watching() if watching is not None else contextlib.nullcontext():
+                return method(self, *args, **kwargs)
         except tf.errors.OpError as error:
             # A timed-out collective (multi-worker strategies), or a lost task that held
             # part of the model (a pipeline's stage worker): the strategy says which.

@@ -43,6 +43,7 @@ replicas, by the mean over replicas).
 # Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
 # pylint: disable=protected-access
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -117,6 +118,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         `predict` with a `ClusterError` naming it; rerun with
         `keras.callbacks.BackupAndRestore` to resume.
       connect_timeout_seconds: how long the workers get to start listening.
+      stage_timeout_seconds: with stages on other processes, how long a stage worker may
+        stay silent (its gRPC server not answering: stopped, hung, or cut off) during
+        `fit`, `evaluate` or `predict` before a message names it and this process is
+        ended (SIGTERM): TensorFlow would wait for it without end. None: wait.
 
     Raises:
       ScheduleError: `num_micro_batches` < 1, an unknown `schedule`, or a `Schedule`
@@ -157,7 +162,8 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
 
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
-                 cluster_resolver=None, connect_timeout_seconds=60.0):
+                 cluster_resolver=None, connect_timeout_seconds=60.0,
+                 stage_timeout_seconds=120.0):
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
         if balance_by not in ("params", "time"):
@@ -166,6 +172,14 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         # Validates M and the schedule before anything touches devices.
         if not isinstance(schedule, schedule_lib.Schedule):
             schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
+        if stage_timeout_seconds is not None and (
+                isinstance(stage_timeout_seconds, bool)
+                or not isinstance(stage_timeout_seconds, (int, float))
+                or not stage_timeout_seconds > 0):
+            raise ValueError(f"stage_timeout_seconds must be a number of seconds > 0, or None "
+                             f"to wait for a silent stage worker without end. Received: "
+                             f"stage_timeout_seconds={stage_timeout_seconds!r}")
+        self._stage_timeout_seconds = stage_timeout_seconds
         if cluster_resolver is not None:
             cluster = stage_workers.connect(cluster_resolver, connect_timeout_seconds)
             if devices is None:
@@ -313,6 +327,13 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
 
     def _name(self, canonical):
         return self._display.get(canonical, canonical)
+
+    def _tfpar_watching(self):
+        # Entered by the Keras seam around fit, evaluate and predict.
+        if self._workers is None:
+            return contextlib.nullcontext()
+        return self._workers.watching([d for row in self._grid for d in row],
+                                      self._stage_timeout_seconds)
 
     def _tfpar_explain_lost_task(self, error):
         # Asked by the Keras seam when fit, evaluate or predict ends with a TensorFlow error.

@@ -21,15 +21,29 @@ A lost worker, as measured on TF 2.21 (2 workers, one stage each, SIGKILL):
 So a pipeline with stages on other tasks turns streaming off, and the Keras seam turns
 the error of `fit`, `evaluate` or `predict` into a `ClusterError` that names the lost
 tasks (those that no longer accept TCP connections, else those the error names) and
-says how to resume. A worker that stops answering without closing its connections (a
-stopped process, a network partition) is not detected: TensorFlow waits for it.
+says how to resume.
+
+A worker that stops answering without closing its connections (a stopped process, a hung
+one, a network partition) raises nothing: TensorFlow waits for it without end. Measured
+(SIGSTOP of a stage worker): its kernel still accepts connections; the chief's next call
+hung in `TFE_ContextAddFunction` holding Python's interpreter lock, and a
+`CancellationManager` started 5 s in did not end it. So while `fit`, `evaluate` or
+`predict` runs, a process of its own (`tfpar.cluster.silence_watch`) asks each stage
+worker's gRPC server for its first HTTP/2 frame; one silent for `stage_timeout_seconds`
+gets its name printed and this process ended, for a launcher's restart and
+BackupAndRestore to go on from.
 """
 
+import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
+from tfpar.cluster.launcher import _die_with_parent
 from tfpar.cluster.probe import listening, require_reachable
 from tfpar.cluster.tf_config import check_pipeline_cluster
 from tfpar.distribute.cluster import cluster_config
@@ -49,6 +63,7 @@ class StageWorkers:
 
     def __init__(self, addresses):
         self.addresses = dict(addresses)
+        self._watchers = {}  # (tasks, timeout) -> its silence_watch process
 
     def first_devices(self):
         """Each worker task's first device (a GPU if it has one, else CPU:0), in task order:
@@ -106,6 +121,31 @@ class StageWorkers:
                 f"`python -m tfpar.server --profiler_port=P` and pass profilers="
                 f"{{{', '.join(repr(_task_name(t)) + ': ' + repr('host:P') for t in missing)}}}.")
         return [given[t] for t in stages]
+
+    @contextlib.contextmanager
+    def watching(self, stage_devices, timeout_seconds):
+        """While the block runs, a stage worker silent for `timeout_seconds` (None: never)
+        gets this process ended, with a message naming it (`tfpar.cluster.silence_watch`,
+        a process of its own: see the module docstring)."""
+        stages = {t: s for t, s in _stages_elsewhere(stage_devices).items()
+                  if t in self.addresses}
+        if timeout_seconds is None or not stages:
+            yield
+            return
+        tasks = [[_task_name(t), self.addresses[t], " and ".join(
+            f"stage {s} of the pipeline on {d}" for s, d in held)] for t, held in stages.items()]
+        key = (json.dumps(tasks), timeout_seconds)
+        watcher = self._watchers.get(key)
+        if watcher is None or watcher.poll() is not None:
+            watcher = self._watchers[key] = subprocess.Popen(
+                [sys.executable, "-m", "tfpar.cluster.silence_watch", str(os.getpid()),
+                 str(timeout_seconds), key[0]], stdin=subprocess.PIPE,
+                preexec_fn=_die_with_parent)
+        _tell(watcher, "watch")
+        try:
+            yield
+        finally:
+            _tell(watcher, "idle")
 
     def explain(self, error, stage_devices):
         """A ClusterError for `error` if it comes from a lost stage task, else None."""
@@ -186,6 +226,14 @@ def of_devices(devices):
 def fail_fast():
     """A lost worker fails the next call instead of hanging it (see the module docstring)."""
     os.environ[STREAMING_ENQUEUE_ENV] = "False"
+
+
+def _tell(watcher, command):
+    try:
+        watcher.stdin.write(f"{command}\n".encode())
+        watcher.stdin.flush()
+    except OSError:  # (A watcher that ended takes nothing down with it.)
+        pass
 
 
 def _task_name(task):
