@@ -27,30 +27,41 @@ PY = sys.executable
 WORKER = "/job:worker/replica:0/task:{}/device:CPU:0"
 
 
-@pytest.mark.slow
-def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worker(tmp_path):
+def _lose_worker_1(tmp_path, lose, then=None, launcher_flags=(), chief_flags=()):
+    """Runs the chief of 2 stage workers under `tfpar launch --max_restarts=1`; after the
+    first epoch (3 steps) and its backup the chief waits: `lose(pid)` is done to stage 1's
+    worker, then the chief trains on, and `then(launcher, lines)` (if given) runs while the
+    job goes on. Returns (the output, run 0's and run 1's results)."""
     command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--max_restarts=1",
-               "--report_seconds=30", "--timeout=300", "--",
-               PY, CHIEF, f"--out={tmp_path}", "--pause_after=0"]
-    start = time.monotonic()
+               *launcher_flags, "--timeout=300", "--",
+               PY, CHIEF, f"--out={tmp_path}", "--pause_after=0", *chief_flags]
     launcher, lines, reader = launch(command)
     try:
-        # After the first epoch (3 steps) and its backup, the chief waits: kill stage 1's
-        # worker, then let it train on.
         wait_for_line("[chief:0] PAUSED", launcher, lines, timeout=120)
         [worker] = children_of(launcher.pid, "worker", 1)
+        lose(worker)
+        (tmp_path / "killed").touch()
+        if then is not None:
+            then(launcher, lines)
+        assert launcher.wait(timeout=180) == 0, "".join(lines)[-5000:]
+    finally:
+        stop_launcher(launcher)
+    reader.join(10)
+    return "".join(lines), *(json.loads((tmp_path / f"run{k}.json").read_text())
+                             for k in (0, 1))
+
+
+@pytest.mark.slow
+def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worker(tmp_path):
+    def kill(worker):
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(worker)
-        (tmp_path / "killed").touch()
-        assert launcher.wait(timeout=180) == 0, "".join(lines)[-5000:]
-    finally:
-        stop_launcher(launcher)
-    reader.join(10)
-    out = "".join(lines)
-    first, rerun = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
+
+    start = time.monotonic()
+    out, first, rerun = _lose_worker_1(tmp_path, kill, launcher_flags=["--report_seconds=30"])
 
     # One stage per worker, each stage's variables (and their Adam slots) on its worker.
     stage_devices = [WORKER.format(0), WORKER.format(1)]
@@ -93,31 +104,25 @@ def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worke
 def test_a_stopped_stage_worker_ends_the_chief_with_its_name_and_the_job_resumes(tmp_path):
     """SIGSTOP, not SIGKILL: the worker's kernel still accepts connections and TensorFlow
     waits for it without end. Before: the chief hung until `tfpar launch --timeout`."""
-    timeout = 8
-    command = [PY, "-m", "tfpar.launch", "--workers=2", "--coordinator", "--max_restarts=1",
-               "--grace_seconds=2", "--timeout=300", "--",
-               PY, CHIEF, f"--out={tmp_path}", "--pause_after=0", f"--stage_timeout={timeout}"]
-    launcher, lines, reader = launch(command)
-    try:
-        wait_for_line("[chief:0] PAUSED", launcher, lines, timeout=120)
-        [worker] = children_of(launcher.pid, "worker", 1)
+    timeout, stopped, noticed = 8, [], []
+
+    def stop(worker):
         os.kill(worker, signal.SIGSTOP)
-        stopped = time.monotonic()
-        (tmp_path / "killed").touch()
+        stopped.append(time.monotonic())
+
+    def wait_for_the_message(launcher, lines):
         wait_for_line("[chief:0] tfpar: worker:1", launcher, lines, timeout=timeout + 60)
-        noticed = time.monotonic() - stopped
-        assert launcher.wait(timeout=180) == 0, "".join(lines)[-5000:]
-    finally:
-        stop_launcher(launcher)
-    reader.join(10)
-    out = "".join(lines)
-    first, rerun = (json.loads((tmp_path / f"run{k}.json").read_text()) for k in (0, 1))
+        noticed.append(time.monotonic() - stopped[0])
+
+    out, first, rerun = _lose_worker_1(tmp_path, stop, wait_for_the_message,
+                                       launcher_flags=["--grace_seconds=2"],
+                                       chief_flags=[f"--stage_timeout={timeout}"])
     assert first["probes"] == ["answers", "answers"]  # Live tfpar.server workers answer.
     assert re.search(
         r"\[chief:0\] tfpar: worker:1 \(127\.0\.0\.1:\d+\), which holds stage 1 of the "
         r"pipeline on /job:worker/replica:0/task:1/device:CPU:0, has not answered for \d+ s: "
         r"its process is stopped or hung", out), out[-4000:]
-    assert timeout <= noticed < timeout + 30
+    assert timeout <= noticed[0] < timeout + 30
     assert (f"[launcher] chief:0 exited with code -{int(signal.SIGTERM)}: restarting the job "
             f"(restart 1 of 1)" in out), out[-4000:]
     # The rerun (on fresh workers) resumed from epoch 0's backup and ends as one device.
