@@ -411,20 +411,23 @@ def _batches_seen(strategy, epochs):
         counter = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         counter.compile(keras.optimizers.SGD(0.0), "mse", metrics=[seen], steps_per_execution=10)
     batch_ids = np.repeat(np.arange(20), 8).astype("float32")[:, None]
-    per_epoch = []
+    per_epoch, steps = [], []
     for _ in range(epochs):  # fit resets the metric each epoch
         counter.fit(batch_ids, batch_ids, batch_size=8, shuffle=False, epochs=1, verbose=0)
         per_epoch.append([int(c) for c in seen.counts.numpy() / 8])
+        # The optimizer's steps, and the steps the closures ran (counted apart, on the ps).
+        steps.append([int(counter.optimizer.iterations.numpy()),
+                      int(strategy.steps_run.numpy())])
     # Steps run, counted apart from the metric: a batch counted short with every step run
     # means a lost count, not a lost batch.
     iterations = int(counter.optimizer.iterations.numpy())
-    return [sum(c) for c in zip(*per_epoch)], per_epoch, iterations
+    return [sum(c) for c in zip(*per_epoch)], per_epoch, iterations, steps
 
 
 def run_data_service(strategy, result):
     result["data_service"] = strategy.data_service
-    result["seen_counts"], result["seen_per_epoch"], result["steps_run"] = _batches_seen(
-        strategy, epochs=3)
+    (result["seen_counts"], result["seen_per_epoch"], result["steps_run"],
+     result["steps_after_each_epoch"]) = _batches_seen(strategy, epochs=3)
 
 
 def run_faults(strategy, result):
