@@ -58,8 +58,9 @@ def pytest_sessionfinish(session):
 
 
 # An in-process test that runs past this long has its threads' stacks written down (it goes on),
-# and printed at the end of the run: such tests take seconds alone, but three suite runs saw one
-# stall for 83-175 s, cause unknown. (Multi-process tests keep pytest.ini's faulthandler_timeout.)
+# and printed at the end of the run: such tests take seconds alone, but suite runs saw them
+# stall for 83-175 s (late tf.data iterator deletions: see pytest_runtest_teardown).
+# (Multi-process tests keep pytest.ini's faulthandler_timeout.)
 STALL_SECONDS = 70
 
 
