@@ -344,16 +344,29 @@ class _AsyncEpochs:
             self._schedule(0, steps, callbacks)
             return
         # A worker's closure ends early when the pass runs out for it while another
-        # worker still holds batches it fetched ahead: closures are scheduled again for
-        # the steps not run, until all ran or the pass is over (a round runs none).
+        # worker still holds batches it fetched ahead. Then each later round schedules a
+        # closure per worker for all the steps not run (one that finds no batch returns
+        # at once), until all ran or the pass is over: more rounds in a row ran none than
+        # there are workers. (One closure a round could land on a worker with nothing left
+        # while another held 10 batches: measured, an epoch ended 10 steps short.)
         self.iterator = self.strategy.per_worker_iterator(self.data.per_worker())
-        begin = 0
+        before = int(self.strategy.steps_run.numpy())
+        self._schedule(0, steps, callbacks)
+        begin = int(self.strategy.steps_run.numpy()) - before
+        empty_rounds = 0
         while begin < steps and not self.model.stop_training:
             before = int(self.strategy.steps_run.numpy())
-            self._schedule(begin, steps - begin, callbacks)
+            for _ in range(self.strategy.num_workers):
+                self.strategy.schedule_steps(self.step, self.iterator, steps - begin)
+            self.strategy.join()
             ran = int(self.strategy.steps_run.numpy()) - before
-            if ran == 0:
+            empty_rounds = empty_rounds + 1 if ran == 0 else 0
+            if empty_rounds > self.strategy.num_workers:
                 break
+            if ran:
+                callbacks.on_train_batch_begin(begin)
+                callbacks.on_train_batch_end(begin + ran - 1,
+                                             _numbers(self.model.get_metrics_result()))
             begin += ran
 
     def _schedule(self, begin, steps, callbacks):
