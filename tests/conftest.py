@@ -79,14 +79,16 @@ def pytest_runtest_call(item):
     # faults (memory paged back in).
     start, thread_cpu = time.monotonic(), time.thread_time()
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    from tfpar.cluster.silence_watch import tell
+
     watch = item.config._tfpar_stall_watch
-    _tell(watch, f"start {item.nodeid}")
+    tell(watch, f"start {item.nodeid}")
     faulthandler.dump_traceback_later(STALL_SECONDS, file=log)  # (Replaces pytest's timer.)
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
-        _tell(watch, "stop")
+        tell(watch, "stop")
         took = time.monotonic() - start
         if took > STALL_SECONDS:
             now = resource.getrusage(resource.RUSAGE_SELF)
@@ -113,14 +115,6 @@ def pytest_runtest_teardown(item, nextitem):
 
     gc.collect()
     gc.freeze()
-
-
-def _tell(watch, line):
-    try:
-        watch.stdin.write(f"{line}\n".encode())
-        watch.stdin.flush()
-    except OSError:  # (A watcher that died takes no test down with it.)
-        pass
 
 
 def _crash_log(config, worker="*", kind="crash"):

@@ -420,8 +420,7 @@ def _batches_seen(strategy, epochs):
                       int(strategy.steps_run.numpy())])
     # Steps run, counted apart from the metric: a batch counted short with every step run
     # means a lost count, not a lost batch.
-    iterations = int(counter.optimizer.iterations.numpy())
-    return [sum(c) for c in zip(*per_epoch)], per_epoch, iterations, steps
+    return [sum(c) for c in zip(*per_epoch)], per_epoch, steps[-1][0], steps
 
 
 def run_data_service(strategy, result):

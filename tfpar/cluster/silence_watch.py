@@ -41,6 +41,16 @@ def message(name, address, holds, seconds):
             f"stage_timeout_seconds=...) sets the wait.")
 
 
+def tell(watcher, command):
+    """Writes a command line to a watcher process's input (also tests/stall_watch.py's);
+    a watcher that has ended takes nothing down with it."""
+    try:
+        watcher.stdin.write(f"{command}\n".encode())
+        watcher.stdin.flush()
+    except OSError:
+        pass
+
+
 def watch(pid, timeout_seconds, tasks, commands_fd=0, probe=answers, out=sys.stderr):
     """Runs the watch (see the module docstring). Returns the silent task's name after
     ending `pid`, or None when the commands end."""

@@ -45,6 +45,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.cluster.launcher import _die_with_parent
 from tfpar.cluster.probe import listening, require_reachable
+from tfpar.cluster.silence_watch import tell
 from tfpar.cluster.tf_config import check_pipeline_cluster
 from tfpar.distribute.cluster import cluster_config
 from tfpar.errors import ClusterError, DeviceError
@@ -141,11 +142,11 @@ class StageWorkers:
                 [sys.executable, "-m", "tfpar.cluster.silence_watch", str(os.getpid()),
                  str(timeout_seconds), key[0]], stdin=subprocess.PIPE,
                 preexec_fn=_die_with_parent)
-        _tell(watcher, "watch")
+        tell(watcher, "watch")
         try:
             yield
         finally:
-            _tell(watcher, "idle")
+            tell(watcher, "idle")
 
     def explain(self, error, stage_devices):
         """A ClusterError for `error` if it comes from a lost stage task, else None."""
@@ -226,14 +227,6 @@ def of_devices(devices):
 def fail_fast():
     """A lost worker fails the next call instead of hanging it (see the module docstring)."""
     os.environ[STREAMING_ENQUEUE_ENV] = "False"
-
-
-def _tell(watcher, command):
-    try:
-        watcher.stdin.write(f"{command}\n".encode())
-        watcher.stdin.flush()
-    except OSError:  # (A watcher that ended takes nothing down with it.)
-        pass
 
 
 def _task_name(task):
