@@ -338,9 +338,14 @@ def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_p
     (and under stage 3 the weights) split between them, weights equal to one process, a
     checkpoint holding the full state, a resume from the backup, then evaluate and
     predict as one process."""
+    # Buckets of 64 bytes: both kernels are larger than a bucket, and
+    # there are 4 buckets for 2 workers (ZeRO-1 and -2 used to hang there).
+    sizes = [w.nbytes for w in common.model().get_weights()]
+    assert sum(s > 64 for s in sizes) == 2 and len(sizes) == 4
     workers = cluster(2)
     workers.start([SHARDED_WORKER, f"--out={tmp_path}", f"--backups={tmp_path / 'backups'}",
-                   f"--shard={shard}", f"--optimizers={','.join(OPTIMIZERS)}"])
+                   f"--shard={shard}", f"--optimizers={','.join(OPTIMIZERS)}",
+                   "--bytes_per_pack=64"])
     assert workers.wait(["worker:0", "worker:1"], timeout=300) == [0, 0], \
         workers.output()[-4000:]
     for optimizer in OPTIMIZERS:

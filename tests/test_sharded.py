@@ -172,36 +172,40 @@ def test_gpu_shards_move_with_nccl_reduce_scatter_and_all_gather():
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_pairwise_reduce_scatter_sums_each_replicas_part(n):
-    """The CPU reduce-scatter used across workers (TensorFlow has none): point-to-point
-    sends between every pair of replicas, run for real on logical CPUs, three buckets in
-    a row, with a step run twice (the collective keys of a second step must match)."""
+def test_pairwise_reduce_to_owners_sums_each_variable_on_its_owner(n):
+    """The CPU reduce-scatter used across workers (TensorFlow has none): each gradient sent
+    to its owner alone, for more variables than replicas, owned in turn, with a step run
+    twice (the collective keys of a second step must match). Run on logical CPUs."""
     strategy = tfpar.DataParallelStrategy(cpus(n))
     extended = strategy.extended
     collectives = ShardCollectives(
         "pairwise", internals.attr(extended, "_collective_keys"), extended.worker_devices,
         timeout_seconds=30, key_base=strategy._collective_key_base)
+    count = 2 * n + 1
+    owners = {k: k % n for k in range(count)}
 
     @tf.function
     def step():
         def replica():
             ctx = tf.distribute.get_replica_context()
             me = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
-            return [collectives.reduce_scatter(ctx, tf.range(2 * n, dtype=tf.float32)
-                                               * (k + 1) + 100 * me) for k in range(3)]
+            mine = collectives.reduce_to_owners(
+                ctx, {k: tf.range(k + 2, dtype=tf.float32) + 100 * me for k in range(count)},
+                owners)
+            return {k: mine.get(k, tf.constant(-1.0)) for k in range(count)}
         return strategy.run(replica)
 
     step()
-    got = [np.stack([r.numpy() for r in strategy.experimental_local_results(bucket)])
-           for bucket in step()]
-    for k, bucket in enumerate(got):
-        whole = n * np.arange(2 * n) * (k + 1) + 100 * sum(range(n))
-        np.testing.assert_allclose(bucket, whole.reshape(n, 2))
-    # Each replica sends n-1 parts of 2 elements: (n-1)/n of its bucket, as a ring would.
+    got = step()
+    for k in range(count):
+        values = [r.numpy() for r in strategy.experimental_local_results(got[k])]
+        whole = n * np.arange(k + 2) + 100 * sum(range(n))
+        np.testing.assert_allclose(values[owners[k]], whole)
+        assert all((v == -1).all() for r, v in enumerate(values) if r != owners[k])
+    # Each replica sends each variable it does not own once: (n-1)/n of its gradients.
     sends = [op for op in step.get_concrete_function().graph.get_operations()
              if op.type == "CollectiveBcastSendV2"]
-    assert len(sends) == 3 * n * (n - 1)
-    assert {tuple(op.inputs[0].shape) for op in sends} == {(2,)}
+    assert len(sends) == count * (n - 1)
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import multi_worker_common as common  # noqa: E402
 
 
-def main(out, backups, shard, optimizers):
+def main(out, backups, shard, optimizers, bytes_per_pack):
     import keras
     import tensorflow as tf
 
@@ -30,7 +30,8 @@ def main(out, backups, shard, optimizers):
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}-{task['index']}"
-    strategy = tfpar.DataParallelStrategy(shard=shard, timeout_seconds=60)  # Before any TF op.
+    strategy = tfpar.DataParallelStrategy(shard=shard, timeout_seconds=60,  # Before any TF op.
+                                          bytes_per_pack=bytes_per_pack)
     x, y = common.data()
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
     for optimizer in optimizers.split(","):
@@ -67,4 +68,5 @@ def main(out, backups, shard, optimizers):
 
 if __name__ == "__main__":
     args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
-    main(args["out"], args["backups"], args["shard"], args["optimizers"])
+    main(args["out"], args["backups"], args["shard"], args["optimizers"],
+         int(args["bytes_per_pack"]))

@@ -25,9 +25,10 @@ Gradients and updated values travel in flat buckets of about `bytes_per_pack` (2
 default), the last layers' first: each bucket's reduce-scatter waits only for its own
 gradients, so it overlaps the backward pass of earlier layers. Within a bucket each
 owner's part is padded to the largest, so one reduce-scatter and one all-gather serve it. On
-GPUs they are NCCL collectives; on CPUs, where TensorFlow has no reduce-scatter, the
+GPUs they are NCCL collectives. On CPUs TensorFlow has no reduce-scatter: on one host the
 gradients are all-reduced and each replica keeps its own (measured in
-benchmarks/sharded.py).
+benchmarks/sharded.py); across workers each gradient is sent to its owner alone, one
+variable at a time (`ShardCollectives.reduce_to_owners`).
 """
 
 import collections
@@ -429,7 +430,8 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups):
     gradients the step keeps on the replica."""
     index = [i for g in groups for i in g]
     me = replica_in_sync()
-    # Gradients are reduce-scattered where there is a reduce-scatter (NCCL, pairwise);
+    # Gradients are reduce-scattered where there is a reduce-scatter (NCCL), sent to their
+    # owners one by one across workers on CPUs ("pairwise");
     # without one (CPUs of one host) they are all-reduced and each replica keeps its own:
     # flattening into a bucket to slice it after would only add copies. Sparse gradients
     # stay sparse (all-reduced as slices, as without sharding): Keras optimizers treat
@@ -444,7 +446,12 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups):
             else sum(num_bytes(variables[i]) for i in whole if i in groups[me]))
     dense = [[i for i in g if i not in reduced] for g in groups]
     dtype = variables[index[0]].dtype
-    if any(dense):
+    if collectives.kind == "pairwise" and any(dense):
+        owner_of = {i: owner for owner, group in enumerate(dense) for i in group}
+        reduced.update(collectives.reduce_to_owners(
+            ctx, {i: grads[i] for i in owner_of}, owner_of))
+        kept += sum(num_bytes(variables[i]) for i in dense[me]) if stage > 1 else 0
+    elif any(dense):
         length = _bucket_length([[variables[i] for i in g] for g in dense])
         flat = tf.concat([_bucket([grads[i] for i in g], length, dtype)
                           for g in dense], axis=0)
@@ -478,8 +485,8 @@ class ShardCollectives:
     "nccl" uses NCCL's own reduce-scatter and all-gather (collective ops with the NCCL
     hint, selected when every replica is a GPU; across workers the group spans all
     replicas, keyed by this worker's devices as TensorFlow keys its own NCCL
-    all-reduce); "pairwise" (CPUs across workers) reduce-scatters by point-to-point
-    sends, each a broadcast in a group of two replicas; "all_reduce" (CPUs of one host)
+    all-reduce); "pairwise" (CPUs across workers) sends each gradient to its owner
+    alone, each send a broadcast in a group of two replicas; "all_reduce" (CPUs of one host)
     has no reduce-scatter: gradients are all-reduced through the strategy's cross-device
     ops, each replica keeping its own. Except under "nccl" the all-gather goes through the
     strategy.
@@ -509,14 +516,15 @@ class ShardCollectives:
         return group, self._keys.get_instance_key(group, device)
 
     def reduce_scatter(self, ctx, flat):
-        """Each replica's slice of the sum of `flat` over the replicas."""
-        n = ctx.num_replicas_in_sync
-        if self.kind == "pairwise":
-            return self._pairwise_reduce_scatter(flat, n)
+        """Each replica's slice of the sum of `flat` over the replicas (NCCL)."""
+        if self.kind != "nccl":
+            raise ValueError(f"No reduce-scatter for {self.kind!r} collectives: use "
+                             f"reduce_to_owners.")
         group, instance = self._keys_here()
         return tf.raw_ops.CollectiveReduceScatterV2(
-            input=flat, group_size=n, group_key=group, instance_key=instance,
-            ordering_token=[], merge_op="Add", final_op="Id", communication_hint="nccl")
+            input=flat, group_size=ctx.num_replicas_in_sync, group_key=group,
+            instance_key=instance, ordering_token=[], merge_op="Add", final_op="Id",
+            communication_hint="nccl")
 
     def _send_or_receive(self, me, other, source, n, value):
         """A point-to-point transfer between replicas `me` and `other`, from `source`: the
@@ -531,22 +539,25 @@ class ShardCollectives:
             return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
         return tf.raw_ops.CollectiveBcastRecvV2(shape=value.shape, T=value.dtype, **common)
 
-    def _pairwise_reduce_scatter(self, flat, n):
-        # Each pair of replicas is a group of two, with its own key: the lower replica
-        # sends the higher one its part, then the other way. Every replica sends and
-        # receives (n-1)/n of `flat`, what a ring reduce-scatter moves.
+    def reduce_to_owners(self, ctx, values, owners):
+        """{key: the sum over the replicas of values[key]} for the keys this replica owns
+        (`owners[key]`), one variable at a time: each other replica sends its value to
+        the owner alone ("pairwise" across workers on CPUs, where TensorFlow has no
+        reduce-scatter). Per replica that moves what a reduce-scatter would, (n-1)/n of
+        the values, and nothing is flattened or padded. (A bucketed exchange, each pair
+        sending both ways, hung across workers once there were more buckets than
+        workers: BUILD_NOTES.)
+        """
         me = replica_in_sync()
-        parts = tf.split(flat, n)
-        received, sent = [parts[me]], []
-        for other in range(n):
-            if other == me:
-                continue
-            for source in sorted((me, other)):
-                moved = self._send_or_receive(me, other, source, n,
-                                              parts[other] if source == me else parts[me])
-                (sent if source == me else received).append(moved)
-        with tf.control_dependencies(sent):
-            return tf.add_n(received)
+        mine, sends = {}, []
+        for key, value in values.items():
+            summed = self.reduce_to_owner(ctx, value, owners[key], tf.zeros([0], value.dtype))
+            if owners[key] == me:
+                mine[key] = summed
+            else:
+                sends.append(summed)
+        _runs(sends)
+        return mine
 
     def reduce_to_owner(self, ctx, value, owner, not_owner):
         """The sum of `value` over the replicas on replica `owner`; `not_owner` on the
