@@ -27,6 +27,10 @@ _EXPORTS = {
     "plan": "tfpar.plan",
     "MeshStrategy": "tfpar.distribute.mesh_strategy",
     "use_keras_distribution": "tfpar.keras.mesh",
+    "ProcessMemory": "tfpar.memory_probe",
+    "process_memory": "tfpar.memory_probe",
+    "reset_memory_peaks": "tfpar.memory_probe",
+    "MemoryPeaks": "tfpar.keras.memory_peaks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

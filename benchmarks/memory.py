@@ -1,0 +1,369 @@
+"""Measured memory per worker process against the plan, for each strategy.
+
+Each configuration trains the same model (by default the 100.7M-parameter MLP of the
+memory issue: 24 x Dense(2048, tanh) + a 10-way head, SGD with momentum, global batch 16)
+for 2 steps, with one process per device: a single process, or 2 worker processes of a
+TF_CONFIG cluster on 127.0.0.1 (data parallelism, ZeRO-1/2/3; a pipeline's 2 stages on
+2 `tfpar.server` workers with its chief beside them). Every process runs in a memory
+cgroup of its own where the machine allows it (root and the v1 memory controller at
+/sys/fs/cgroup/memory), capped with --cap (bytes, or a fraction f: base + f x what one
+process needs beyond the base). Per process it records:
+
+- TensorFlow's allocator peak over training, and the resident peak (VmHWM) over
+  training, both from inside (`tfpar.process_memory`);
+- the resident peak of the whole process (getrusage of the exited child, from outside);
+- the cgroup's peak usage (page cache included) and its OOM kills;
+- the plan: the per-process base (a process that only imports tfpar, TensorFlow and
+  Keras, measured first, in both counts) + `tfpar.plan.estimate_memory`'s per-device
+  peak. The resident count includes the shared libraries; the cgroup's counts what the
+  process brought in (libraries already in the page cache are charged elsewhere), and it
+  is what a cap limits.
+
+    python benchmarks/memory.py                          # uncapped, every configuration
+    python benchmarks/memory.py --cap=0.7 --configs=data2,zero3,pipeline2
+
+Writes benchmarks/results/memory.json (or --out) and prints a table.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2")
+SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
+BATCH = 16
+STEPS = 2
+
+
+# -- the model (sizes for the plan, without TensorFlow) -------------------------------------
+
+def variable_sizes(width, layers, classes=10):
+    """Elements of each trainable variable of the MLP, in model order."""
+    sizes = []
+    for _ in range(layers):
+        sizes += [width * width, width]
+    return sizes + [width * classes, classes]
+
+
+def planned_bytes(config, width, layers, base):
+    """Per process: [(task, planned bytes)] = base + the plan's per-device peak (SGD with
+    momentum: one slot). The chief of a pipeline holds no stage: base only."""
+    from tfpar.plan import memory as plan
+
+    sizes = variable_sizes(width, layers)
+    # Kept for the backward pass: each layer's input and output, fp32, per example.
+    activations = 4 * BATCH * (2 * width * layers + width)
+    if config == "one":
+        cfg = plan.MemoryConfig("data", 1, optimizer_slots=1, activation_bytes=activations)
+    elif config == "data2":
+        cfg = plan.MemoryConfig("data", 2, optimizer_slots=1, activation_bytes=activations)
+    elif config in SHARDS:
+        cfg = plan.MemoryConfig("sharded", 2, shard=SHARDS[config], optimizer_slots=1,
+                                activation_bytes=activations)
+    else:
+        cfg = plan.MemoryConfig("pipeline", 2, optimizer_slots=1, activation_bytes=activations)
+    devices = plan.estimate_memory(sizes, cfg).devices
+    tasks = _tasks(config)
+    if config == "pipeline2":
+        return {"chief-0": base, **{t: base + d.total for t, d in zip(tasks[1:], devices)}}
+    return {t: base + d.total for t, d in zip(tasks, devices)}
+
+
+def _tasks(config):
+    if config == "one":
+        return ["single-0"]
+    if config == "pipeline2":
+        return ["chief-0", "worker-0", "worker-1"]
+    return ["worker-0", "worker-1"]
+
+
+# -- one process (--role=task) ----------------------------------------------------------------
+
+def run_task(args):
+    """Trains (or, for --config=base, only imports) and writes this process's figures."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    import tfpar
+
+    result = {}
+    if args.config != "base":
+        strategy = None
+        if args.config == "data2":
+            strategy = tfpar.DataParallelStrategy(timeout_seconds=600)
+        elif args.config in SHARDS:
+            strategy = tfpar.DataParallelStrategy(shard=SHARDS[args.config],
+                                                  timeout_seconds=600)
+        elif args.config == "pipeline2":
+            strategy = tfpar.PipelineStrategy(
+                num_micro_batches=4,
+                cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(BATCH * STEPS, args.width)).astype("float32")
+        y = (np.arange(BATCH * STEPS) % 10).astype("int32")
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [keras.Input((args.width,))]
+                + [keras.layers.Dense(args.width, activation="tanh")
+                   for _ in range(args.layers)] + [keras.layers.Dense(10)])
+            model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        tfpar.reset_memory_peaks()
+        started = time.monotonic()
+        history = model.fit(dataset if strategy else x, None if strategy else y,
+                            batch_size=None if strategy else BATCH, epochs=1, shuffle=False,
+                            verbose=0)
+        result["seconds"] = time.monotonic() - started
+        result["loss"] = float(history.history["loss"][-1])
+        measured = tfpar.process_memory()
+        result.update(allocator_peak=measured.allocator_peak_bytes,
+                      training_rss_peak=measured.rss_peak_bytes)
+        # A fingerprint of the trained weights, to compare with one process's.
+        result["weight_sums"] = [float(np.sum(w, dtype=np.float64))
+                                 for w in model.get_weights()]
+    result["rss_now"] = tfpar.process_memory().rss_bytes
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def cgroups_available():
+    return (os.geteuid() == 0 and os.path.isdir(CGROUP_ROOT)
+            and os.access(CGROUP_ROOT, os.W_OK))
+
+
+class Cgroup:
+    """A v1 memory cgroup of one process (or none, where the machine has no writable
+    controller: then only the process's own figures are taken)."""
+
+    def __init__(self, name, limit=None):
+        self.path = None
+        if not cgroups_available():
+            return
+        self.path = os.path.join(CGROUP_ROOT, name)
+        os.makedirs(self.path, exist_ok=True)
+        self._write("memory.max_usage_in_bytes", "0")
+        self._write("memory.limit_in_bytes", str(limit) if limit else "-1")
+        # No swap to fall back on: over the cap means killed.
+        with contextlib.suppress(OSError):
+            self._write("memory.memsw.limit_in_bytes", str(limit) if limit else "-1")
+        with contextlib.suppress(OSError):
+            self._write("memory.swappiness", "0")
+
+    def _write(self, name, value):
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(value)
+
+    def _read(self, name):
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def join(self):
+        """Run in the child before it execs (Popen's preexec_fn)."""
+        if self.path:
+            with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    def figures(self):
+        if not self.path:
+            return {}
+        control = dict(line.split() for line in self._read("memory.oom_control").splitlines())
+        return {"cgroup_peak": int(self._read("memory.max_usage_in_bytes")),
+                "oom_kills": int(control.get("oom_kill", 0))}
+
+    def remove(self):
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _tf_configs(config):
+    if config in ("one", "base"):
+        return {"single-0": None}
+    ports = _free_ports(3)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:2]]}
+    if config == "pipeline2":
+        cluster["chief"] = [f"127.0.0.1:{ports[2]}"]
+    return {t: json.dumps({"cluster": cluster, "task": {"type": t.split("-")[0],
+                                                         "index": int(t.split("-")[1])}})
+            for t in (_tasks(config) if config != "base" else ["single-0"])}
+
+
+def run_config(config, args, limit, workdir):
+    """Starts the processes of `config`, each in its cgroup, waits (at most --timeout s)
+    and returns {task: figures}."""
+    procs = {}
+    for task, tf_config in _tf_configs(config).items():
+        group = Cgroup(f"tfpar_memory_{os.getpid()}_{config}_{task}", limit)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        env.pop("TF_CONFIG", None)
+        if tf_config:
+            env["TF_CONFIG"] = tf_config
+        result = os.path.join(workdir, f"{config}-{task}.json")
+        serving = config == "pipeline2" and task.startswith("worker")
+        command = ([sys.executable, "-m", "tfpar.server"] if serving else
+                   [sys.executable, os.path.abspath(__file__), "--role=task",
+                    f"--config={config}", f"--result={result}", f"--width={args.width}",
+                    f"--layers={args.layers}"])
+        log = open(os.path.join(workdir, f"{config}-{task}.log"), "w")
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, preexec_fn=group.join,
+                                   start_new_session=True)
+        procs[task] = (process, group, result, serving, log)
+    deadline = time.monotonic() + args.timeout
+    figures = {}
+    try:
+        waiting = [t for t, p in procs.items() if not p[3]]
+        while waiting and time.monotonic() < deadline:
+            for task in list(waiting):
+                pid, status, usage = os.wait4(procs[task][0].pid, os.WNOHANG)
+                if pid:
+                    figures[task] = _exited(status, usage)
+                    waiting.remove(task)
+                    if figures[task]["exit"] != 0:  # One failed: the others cannot finish.
+                        deadline = 0
+            time.sleep(0.2)
+    finally:
+        for task, (process, group, result, serving, log) in procs.items():
+            if task not in figures:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                _, status, usage = os.wait4(process.pid, 0)
+                figures[task] = dict(_exited(status, usage),
+                                     stopped="served" if serving else "timed out")
+            figures[task].update(group.figures())
+            group.remove()
+            log.close()
+            if os.path.exists(result):
+                with open(result) as f:
+                    figures[task].update(json.load(f))
+            elif figures[task]["exit"] != 0:
+                with open(log.name) as f:
+                    figures[task]["log_tail"] = f.read()[-1500:]
+    return figures
+
+
+def _exited(status, usage):
+    code = os.waitstatus_to_exitcode(status)
+    return {"exit": code, "killed_by": signal.Signals(-code).name if code < 0 else None,
+            "rss_peak": usage.ru_maxrss * 1024}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", default="driver", choices=["driver", "task"])
+    parser.add_argument("--config", default="one")
+    parser.add_argument("--result")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--cap", default=None,
+                        help="per-process cap: bytes, or a fraction f of one process's need "
+                             "beyond the base (base + f x (one - base))")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
+    args = parser.parse_args(argv)
+    if args.role == "task":
+        return run_task(args)
+
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        parser.error(f"unknown --configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    capped = cgroups_available()
+    print(f"memory cgroups: {'yes' if capped else 'no (root and ' + CGROUP_ROOT + ' needed)'}"
+          f"; model {args.layers} x Dense({args.width}) + head, "
+          f"{sum(variable_sizes(args.width, args.layers)):,} parameters", flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        # The base in both counts: resident (shared libraries included) and the cgroup's
+        # (pages this process brought in; libraries already cached are charged elsewhere).
+        measured = run_config("base", args, None, workdir)["single-0"]
+        base = {"rss": measured["rss_peak"], "cgroup": measured.get("cgroup_peak")}
+        one = limit = None
+        if args.cap:
+            cap = float(args.cap)
+            if cap <= 1:
+                one = run_config("one", args, None, workdir)["single-0"]
+                kind = "cgroup" if capped else "rss"
+                need = one[f"{kind}_peak"] - base[kind]
+                limit = int(base[kind] + cap * need)
+                print(f"cap: {limit / (1 << 20):.0f} MiB = base {base[kind] / (1 << 20):.0f} + "
+                      f"{cap} x {need / (1 << 20):.0f} MiB ({kind} counts)", flush=True)
+            else:
+                limit = int(cap)
+        if not capped and limit:
+            print("no cgroups here: the cap is not enforced, peaks are measured and "
+                  "compared with the plan", flush=True)
+        results = {}
+        for config in configs:
+            figures = run_config(config, args, limit, workdir)
+            for kind in ("rss", "cgroup"):
+                if base[kind] is not None:
+                    plan = planned_bytes(config, args.width, args.layers, base[kind])
+                    for task, f in figures.items():
+                        f[f"planned_{kind}"] = plan.get(task)
+            results[config] = figures
+            _print(config, figures)
+    reference = results.get("one", {}).get("single-0", {}).get("weight_sums")
+    for config, figures in results.items():
+        for f in figures.values():
+            if reference and f.get("weight_sums"):
+                f["max_relative_weight_difference"] = max(
+                    abs(a - b) / max(abs(b), 1e-3) for a, b in zip(f["weight_sums"], reference))
+            f.pop("weight_sums", None)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"base": base, "one": one and {k: one.get(k) for k in ("rss_peak",
+                                                                            "cgroup_peak")},
+                   "cap": limit, "cgroups": capped,
+                   "width": args.width, "layers": args.layers, "results": results},
+                  f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def _print(config, figures):
+    mib = 1 << 20
+
+    def against(kind, f):
+        peak, planned = f.get(f"{kind}_peak"), f.get(f"planned_{kind}")
+        if peak is None:
+            return f"{kind} -"
+        return (f"{kind} {peak / mib:7.0f} MiB" + (f" / plan {planned / mib:6.0f} = "
+                                                   f"{peak / planned:4.2f}" if planned else ""))
+
+    for task, f in sorted(figures.items()):
+        print(f"{config:9s} {task:8s} exit {f['exit']:>3}  {against('rss', f)}  "
+              f"{against('cgroup', f)}  allocator peak {f.get('allocator_peak', 0) / mib:6.0f} "
+              f"MiB  oom kills {f.get('oom_kills', '-')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
