@@ -125,6 +125,10 @@ def run_task(args):
                    for _ in range(args.layers)] + [keras.layers.Dense(10)])
             model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
                           keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        built = tfpar.process_memory()
+        result.update(built_allocator=built.allocator_bytes,
+                      build_allocator_peak=built.allocator_peak_bytes,
+                      built_rss=built.rss_bytes, build_rss_peak=built.rss_peak_bytes)
         tfpar.reset_memory_peaks()
         started = time.monotonic()
         history = model.fit(dataset if strategy else x, None if strategy else y,
@@ -134,10 +138,12 @@ def run_task(args):
         result["loss"] = float(history.history["loss"][-1])
         measured = tfpar.process_memory()
         result.update(allocator_peak=measured.allocator_peak_bytes,
+                      trained_allocator=measured.allocator_bytes,
                       training_rss_peak=measured.rss_peak_bytes)
-        # A fingerprint of the trained weights, to compare with one process's.
-        result["weight_sums"] = [float(np.sum(w, dtype=np.float64))
-                                 for w in model.get_weights()]
+        # A fingerprint of the trained weights, to compare with one process's, read one
+        # variable at a time (after the peaks: under ZeRO-3 each read is a gather).
+        result["weight_sums"] = [float(np.sum(w.numpy(), dtype=np.float64))
+                                 for w in model.weights]
     result["rss_now"] = tfpar.process_memory().rss_bytes
     with open(args.result, "w") as f:
         json.dump(result, f)

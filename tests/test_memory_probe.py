@@ -47,14 +47,14 @@ def test_the_callback_records_each_epochs_peak_and_the_strategys_plan():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096),
                                   keras.layers.Dense(1)])
         model.compile(keras.optimizers.Adam(1e-3), "mse")
-    x = np.ones((64, 64), "float32")
+    x = np.ones((1024, 64), "float32")
     peaks = tfpar.MemoryPeaks()
-    # The second epoch's batch is 8x the first's: its activations (64 x 4096 floats, the
-    # layer's output and its gradient) raise that epoch's allocator peak.
+    # The second epoch's batch is 128x the first's: its activations (512 x 4096 floats per
+    # replica, 8 MiB, the layer's output and its gradient) raise that epoch's allocator peak.
     model.fit(x[:8], np.ones((8, 1)), batch_size=8, epochs=1, verbose=0, callbacks=[peaks])
-    model.fit(x, np.ones((64, 1)), batch_size=64, epochs=1, verbose=0, callbacks=[peaks])
+    model.fit(x, np.ones((1024, 1)), batch_size=1024, epochs=1, verbose=0, callbacks=[peaks])
     first, second = peaks.epochs
-    assert second.allocator_peak_bytes - first.allocator_peak_bytes >= 56 * 4096 * 4
+    assert second.allocator_peak_bytes - first.allocator_peak_bytes >= 8 * MIB
     # Adam, 2 replicas, 4 bytes a value: weights, gradients and 2 slots on each device.
     params = 64 * 4096 + 4096 + 4096 + 1
     assert peaks.planned == 16 * params

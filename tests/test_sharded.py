@@ -229,7 +229,7 @@ def test_pairwise_reduce_to_owner_sums_on_the_owner_and_sends_once_per_replica(n
             ctx = tf.distribute.get_replica_context()
             me = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
             summed = collectives.reduce_to_owner(ctx, tf.fill([5], me + 1.0), owner,
-                                                 tf.zeros([0]))
+                                                 tf.zeros([0]), 0)
             if summed.shape[0] == 0:  # A non-owner: its result is dropped.
                 _runs([summed])
                 return tf.fill([5], -1.0)
@@ -278,20 +278,23 @@ def _reads_shared_by_forward_and_backward(graph, model):
     return shared
 
 
-def test_stage_3_under_keras_remat_reads_each_variable_again_for_the_backward_pass():
+@pytest.mark.parametrize("how", ["reshard_after_forward", "keras_remat"])
+def test_stage_3_reads_each_variable_again_for_the_backward_pass(how):
     """FSDP frees a layer's gathered weights after its forward and gathers them again for
     its backward. In TensorFlow a tensor lives while a later op needs it, and a layer's
-    backward needs its weights; under Keras' own RematScope a stage-3 read (a copy from the
-    owner on one host, a broadcast across workers) is made inside the recomputed call: the
-    backward pass reads the variable again, and no read of the forward pass is held for
-    it. Training is unchanged."""
+    backward needs its weights; with reshard_after_forward (the default) or under Keras'
+    own RematScope, a stage-3 read (a copy from the owner on one host, a broadcast across
+    workers) is made inside the recomputed call: the backward pass reads the variable
+    again, and no read of the forward pass is held for it. Training is unchanged."""
     x, y = toy_data(n=16)
 
-    def traced(remat):
-        strategy = tfpar.DataParallelStrategy(cpus(2), shard="parameters")
+    def traced(kept):
+        strategy = tfpar.DataParallelStrategy(
+            cpus(2), shard="parameters",
+            reshard_after_forward=False if kept or how == "keras_remat" else None)
         keras.utils.set_random_seed(0)
         with strategy.scope():
-            with keras.RematScope(mode="full" if remat else None):
+            with keras.RematScope(mode="full" if how == "keras_remat" and not kept else None):
                 layers = [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
             model = keras.Sequential([keras.Input((4,))] + layers)
             optimizer = keras.optimizers.Adam(0.01)
@@ -310,14 +313,33 @@ def test_stage_3_under_keras_remat_reads_each_variable_again_for_the_backward_pa
         graph = step.get_concrete_function(tf.constant(x), tf.constant(y)).graph
         return model, _reads_shared_by_forward_and_backward(graph, model)
 
-    plain_model, plain = traced(False)
-    remat_model, remat = traced(True)
-    # Without remat, each replica's read of the last kernel (what the backward pass needs
-    # to reach the first layer) is held from the forward to the backward pass.
-    assert plain[2] == 2, plain
-    assert remat == [0, 0, 0, 0], remat
-    for got, expected in zip(remat_model.get_weights(), plain_model.get_weights()):
+    kept_model, kept = traced(True)
+    model, regathered = traced(False)
+    # Kept, each replica's read of the last kernel (what the backward pass needs to reach
+    # the first layer) is held from the forward to the backward pass.
+    assert kept[2] == 2, kept
+    assert regathered == [0, 0, 0, 0], regathered
+    for got, expected in zip(model.get_weights(), kept_model.get_weights()):
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_reshard_after_forward_needs_stage_3_and_leaves_stateful_layers_alone():
+    with pytest.raises(ValueError, match="only shard='parameters' does"):
+        tfpar.DataParallelStrategy(cpus(2), shard="gradients", reshard_after_forward=True)
+    with pytest.raises(ValueError, match="True, False or None"):
+        tfpar.DataParallelStrategy(cpus(2), shard="parameters", reshard_after_forward=1)
+    assert not tfpar.DataParallelStrategy(cpus(2), shard="optimizer").reshard_after_forward
+    from tfpar.keras.sharded import regather_in_backward
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(2),
+                              keras.layers.Dense(2, dtype="mixed_float16")])
+    # The two float32 Dense layers only: BatchNorm updates its statistics, Dropout draws
+    # masks (a recomputation would do both twice), and a mixed-precision layer's autocast
+    # does not reach a recomputation.
+    assert regather_in_backward(model) == 2
+    assert regather_in_backward(model) == 0
 
 
 def test_stage_3_fits_a_model_built_under_keras_remat_as_unsharded(unsharded, data):

@@ -16,6 +16,7 @@ from tfpar.distribute.input_checks import check_first_batch
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import sharded as keras_sharded
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
@@ -58,6 +59,14 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         owner only and is read from it where a layer uses it (across workers, a
         broadcast whose gradient is reduced back). Whole variables are shared out
         (see `tfpar.plan.sharding`); checkpoints hold full, unsharded state.
+      reshard_after_forward: under shard="parameters", free the weights a replica read
+        from their owners after each layer's forward pass and read them again for its
+        backward pass (FSDP's default): one layer's gathered weights are held at a time,
+        for one more forward computation of each layer (it is recomputed, as under
+        `keras.RematScope(mode="full")`; layers with other state or random draws keep
+        their reads instead). None: True under shard="parameters". False: every read is
+        kept from the forward to the backward pass (faster, the memory of unsharded
+        weights).
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -74,17 +83,18 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     _tfpar_mirrored = True
 
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
-                cluster_resolver=None, timeout_seconds=None, shard=None):
+                cluster_resolver=None, timeout_seconds=None, shard=None,
+                reshard_after_forward=None):
         if cls is DataParallelStrategy:
             if multi_worker.cluster_worker_count(cluster_resolver) > 1:
                 cls = MultiWorkerDataParallelStrategy
         return super().__new__(cls)
 
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
-                 cluster_resolver=None, timeout_seconds=None, shard=None):
-        self._tfpar_shard_stage = sharding.check_shard(shard)
+                 cluster_resolver=None, timeout_seconds=None, shard=None,
+                 reshard_after_forward=None):
+        _set_shard(self, shard, reshard_after_forward)
         self._tfpar_gathers_parameters = False  # One host: a replica reads the owner's copy.
-        self.shard = shard
         # Under shard=..., tfpar packs gradients itself, whatever the reduction.
         self._tfpar_bucket_bytes = check_bytes_per_pack(
             bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
@@ -134,7 +144,14 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         # Read by tfpar.plan.estimate_memory.
         return plan_memory.MemoryConfig(
             "sharded" if self.shard else "data", self.num_replicas_in_sync, shard=self.shard,
-            optimizer_slots=optimizer_slots)
+            optimizer_slots=optimizer_slots,
+            reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3)
+
+    def _tfpar_before_model_call(self, model, args, kwargs):
+        # Asked by the Keras seam before a model made under this strategy runs.
+        if self.reshard_after_forward and id(model) not in self._tfpar_regathered:
+            keras_sharded.regather_in_backward(model)
+            self._tfpar_regathered.add(id(model))
 
     def memory_report(self, model, optimizer=None):
         """Bytes each replica's device holds for training `model` (a built model; after a
@@ -208,6 +225,16 @@ class _DataParallelExtended(
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
 
 
+def _set_shard(strategy, shard, reshard_after_forward):
+    """The ZeRO arguments of either construction path."""
+    strategy._tfpar_shard_stage = sharding.check_shard(shard)
+    strategy.shard = shard
+    strategy.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
+    strategy._tfpar_regathered = set()  # ids of the models made to regather.
+    if strategy.reshard_after_forward:
+        keras_hooks.install_model_call_hook()
+
+
 class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
 
@@ -218,11 +245,11 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
     _tfpar_multi_worker = True
 
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
-                 cluster_resolver=None, timeout_seconds=None, shard=None):
-        self._tfpar_shard_stage = sharding.check_shard(shard)
+                 cluster_resolver=None, timeout_seconds=None, shard=None,
+                 reshard_after_forward=None):
+        _set_shard(self, shard, reshard_after_forward)
         # Stage 3: a replica reads another worker's variables through collectives.
         self._tfpar_gathers_parameters = self._tfpar_shard_stage == 3
-        self.shard = shard
         if devices is not None:
             raise DeviceError(
                 "devices cannot be chosen across workers: each worker uses all its GPUs, or "

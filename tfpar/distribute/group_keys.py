@@ -47,6 +47,13 @@ def cluster_index(key_base):
 _PAIR_KEYS = _BLOCK // 2
 
 
+def broadcast_key(key_base):
+    """The group key of tfpar's own broadcasts over all the replicas of the strategy at
+    `key_base` (stage-3 reads across workers), between the strategy's keys (numbered up
+    from the bottom) and the pairs' (numbered down from the top, at most 496 of them)."""
+    return key_base + _PAIR_KEYS
+
+
 def pairs_fit(num_replicas):
     """Whether a block has a key for every pair of `num_replicas` replicas (up to 32)."""
     return num_replicas * (num_replicas - 1) // 2 <= _PAIR_KEYS

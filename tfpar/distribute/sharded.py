@@ -35,6 +35,7 @@ import collections
 import dataclasses
 import functools
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -42,6 +43,7 @@ from tfpar.distribute import group_keys
 from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
 from tfpar.keras import internals
+from tfpar.keras import sharded as keras_sharded
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import replica_id, replica_in_sync
 from tfpar.plan import sharding
@@ -55,6 +57,7 @@ class ShardOwners:
         self._lock = threading.Lock()
         self._loads = [0] * num_replicas
         self._owner = {}  # variable key -> owner replica
+        self._ordinal = {}  # variable key -> the order it was given an owner in
         self.slots = {}  # id(optimizer state variable) -> its model variable
         self.remote = set()  # ids of the stand-ins of state owned on another worker
 
@@ -62,8 +65,19 @@ class ShardOwners:
         key = id(variable)
         with self._lock:
             if key not in self._owner:
-                self._owner[key] = self._take(num_bytes(variable))
+                self._own(key, self._take(num_bytes(variable)))
             return self._owner[key]
+
+    def ordinal_of(self, variable):
+        """The order in which `variable` was given its owner: the same on every worker
+        (owners are given in the same order everywhere), so it names the variable in
+        collectives."""
+        self.owner_of(variable)
+        return self._ordinal[id(variable)]
+
+    def _own(self, key, owner):
+        self._owner[key] = owner
+        self._ordinal[key] = len(self._ordinal)
 
     def _take(self, size):
         owner = sharding.next_owner(self._loads)
@@ -81,7 +95,7 @@ class ShardOwners:
                                  lambda local: create(value if local
                                                       else tf.zeros([0], value.dtype)))
         with self._lock:
-            self._owner[id(variable)] = owner
+            self._own(id(variable), owner)
         return variable
 
     def _made_on(self, owner, local_devices, first_replica, create):
@@ -183,8 +197,10 @@ def _read_from_owner(variable, strategy, shape):
 
     class ReadFromOwner(base):
         def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
-            # The owner's own update step reads its variable in place.
-            if as_ref or getattr(_update, "running", False):
+            # The owner's own update step reads its variable in place, and so does
+            # tf.custom_gradient recording what a rematerialized layer read.
+            if (as_ref or getattr(_update, "running", False)
+                    or keras_sharded.recording_a_remat_call()):
                 return super()._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)
             if variable_birth.tracing_shapes():  # Keras traces shapes: any value will do.
                 return tf.zeros(shape, self.dtype)
@@ -222,6 +238,7 @@ def read_parameter(strategy, variable, owner, shape):
         return owner_values.values_of_owners(strategy, [(shape, variable.dtype)], [owner],
                                              lambda _: variable.read_value())[0]
     mine = replica_in_sync() == owner
+    tag = strategy._tfpar_shard_owners.ordinal_of(variable)
     if mine:
         local = variable.read_value()
     else:
@@ -233,11 +250,11 @@ def read_parameter(strategy, variable, owner, shape):
     @tf.custom_gradient
     def from_owner(local):
         full = strategy._tfpar_shard_collectives.broadcast(
-            ctx, local if mine else None, shape, local.dtype)
+            ctx, local if mine else None, shape, local.dtype, tag)
 
         def gradient(upstream):
             return strategy._tfpar_shard_collectives.reduce_to_owner(
-                ctx, upstream, owner, tf.zeros_like(local))
+                ctx, upstream, owner, tf.zeros_like(local), tag)
 
         return full, gradient
 
@@ -378,6 +395,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     ctx = tf.distribute.get_replica_context()
     me = replica_in_sync()
     owner = [strategy._tfpar_shard_owners.owner_of(v) for v in variables]
+    ordinals = [strategy._tfpar_shard_owners.ordinal_of(v) for v in variables]
     if strategy._tfpar_gathers_parameters:
         # Each read's gradient was already summed to its owner (`read_parameter`).
         mine = [i for i in range(len(variables)) if owner[i] == me]
@@ -406,13 +424,26 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                 groups = _by_owner(members, [owner[i] for i in members],
                                    ctx.num_replicas_in_sync)
                 reduced, kept = _own_gradients(ctx, collectives, stage, grads, variables,
-                                                    groups)
+                                               groups, ordinals)
                 gradient_bytes += kept
                 _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
                              learning_rate, accumulation)
                 if stage < 3:
                     _gather_updates(ctx, collectives, local, groups, dtype)
     strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
+
+
+# Instance keys per tag: a variable read (and its gradient sent) this many times in a step
+# at most.
+_OCCURRENCES = 64
+
+
+def _outermost_graph():
+    """The function being traced (not a cond branch or loop body inside it)."""
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+        graph = graph.outer_graph  # (Only a function's graph has an outer graph.)
+    return graph
 
 
 def _runs(tensors):
@@ -425,7 +456,7 @@ def _runs(tensors):
             tf.debugging.Assert(True, ["gradients sent to their owners"])
 
 
-def _own_gradients(ctx, collectives, stage, grads, variables, groups):
+def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
     """{variable index: summed gradient} for this replica's variables, and the bytes of
     gradients the step keeps on the replica."""
     index = [i for g in groups for i in g]
@@ -447,9 +478,12 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups):
     dense = [[i for i in g if i not in reduced] for g in groups]
     dtype = variables[index[0]].dtype
     if collectives.kind == "pairwise" and any(dense):
-        owner_of = {i: owner for owner, group in enumerate(dense) for i in group}
-        reduced.update(collectives.reduce_to_owners(
-            ctx, {i: grads[i] for i in owner_of}, owner_of))
+        # Each variable by its ordinal, which names its transfers on every worker.
+        ordinal = {i: ordinals[i] for group in dense for i in group}
+        owner_of = {ordinal[i]: owner for owner, group in enumerate(dense) for i in group}
+        mine = collectives.reduce_to_owners(
+            ctx, {ordinal[i]: grads[i] for i in ordinal}, owner_of)
+        reduced.update({i: mine[ordinal[i]] for i in dense[me]})
         kept += sum(num_bytes(variables[i]) for i in dense[me]) if stage > 1 else 0
     elif any(dense):
         length = _bucket_length([[variables[i] for i in g] for g in dense])
@@ -503,7 +537,8 @@ class ShardCollectives:
         self._timeout = timeout_seconds or 0
         self._key_base = key_base  # The strategy's block of group keys ("pairwise").
         self._lock = threading.Lock()
-        self._pair_instances = collections.Counter()
+        # Per traced function: how many transfers of each (group, tag) a replica made.
+        self._counts = weakref.WeakKeyDictionary()
 
     @property
     def scatters(self):
@@ -526,14 +561,31 @@ class ShardCollectives:
             instance_key=instance, ordering_token=[], merge_op="Add", final_op="Id",
             communication_hint="nccl")
 
-    def _send_or_receive(self, me, other, source, n, value):
+    def _instance(self, group, tag):
+        """The instance key of this replica's next collective in `group` about tag `tag` (a
+        variable's ordinal) in the function being traced: the same on every replica
+        whatever order each traces its collectives in. (Counted in trace order, as
+        TensorFlow counts its own, the keys of a recomputed layer's reads and gradients
+        differed between an owner and the others: a shape mismatch across workers.)"""
+        graph = _outermost_graph()
+        with self._lock:
+            counts = self._counts.setdefault(graph, collections.Counter())
+            key = (group, tag, self._devices[replica_id()])
+            counts[key] += 1
+            occurrence = counts[key]
+        if not tf.inside_function():  # Eager: each runs before the next starts.
+            occurrence = (occurrence - 1) % (_OCCURRENCES - 1) + 1
+        elif occurrence >= _OCCURRENCES:
+            raise ValueError(f"More than {_OCCURRENCES - 1} reads of one sharded variable in "
+                             f"one step: not supported.")
+        return 1 + tag * _OCCURRENCES + occurrence
+
+    def _send_or_receive(self, me, other, source, n, value, tag):
         """A point-to-point transfer between replicas `me` and `other`, from `source`: the
         value sent (from `me`) or received (shaped like `value`), a broadcast in their group
-        of two."""
+        of two, about tag `tag`."""
         group = group_keys.pair_key(self._key_base, min(me, other), max(me, other), n)
-        common = dict(group_size=2, group_key=group,
-                      instance_key=self._next_pair_instance(group,
-                                                            self._devices[replica_id()]),
+        common = dict(group_size=2, group_key=group, instance_key=self._instance(group, tag),
                       communication_hint="auto", timeout_seconds=self._timeout)
         if source == me:
             return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
@@ -541,7 +593,7 @@ class ShardCollectives:
 
     def reduce_to_owners(self, ctx, values, owners):
         """{key: the sum over the replicas of values[key]} for the keys this replica owns
-        (`owners[key]`), one variable at a time: each other replica sends its value to
+        (`owners[key]`; keys are the variables' ordinals), one variable at a time: each other replica sends its value to
         the owner alone ("pairwise" across workers on CPUs, where TensorFlow has no
         reduce-scatter). Per replica that moves what a reduce-scatter would, (n-1)/n of
         the values, and nothing is flattened or padded. (A bucketed exchange, each pair
@@ -551,7 +603,8 @@ class ShardCollectives:
         me = replica_in_sync()
         mine, sends = {}, []
         for key, value in values.items():
-            summed = self.reduce_to_owner(ctx, value, owners[key], tf.zeros([0], value.dtype))
+            summed = self.reduce_to_owner(ctx, value, owners[key], tf.zeros([0], value.dtype),
+                                          key)
             if owners[key] == me:
                 mine[key] = summed
             else:
@@ -559,38 +612,36 @@ class ShardCollectives:
         _runs(sends)
         return mine
 
-    def reduce_to_owner(self, ctx, value, owner, not_owner):
+    def reduce_to_owner(self, ctx, value, owner, not_owner, tag):
         """The sum of `value` over the replicas on replica `owner`; `not_owner` on the
         others. "pairwise": each other replica sends its value to the owner alone (the bytes
-        of a reduce-scatter of it); else an all-reduce."""
+        of a reduce-scatter of it), as transfers about `tag` (the variable's ordinal); else
+        an all-reduce."""
         me = replica_in_sync()
         n = ctx.num_replicas_in_sync
         if self.kind != "pairwise":
             summed = ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
             return summed if me == owner else not_owner
         if me != owner:
-            sent = self._send_or_receive(me, owner, me, n, value)
+            sent = self._send_or_receive(me, owner, me, n, value, tag)
             with tf.control_dependencies([sent]):
                 return tf.identity(not_owner)
         # The owner's receives wait for its own gradient: launched when the step starts
         # they would hold their buffers through the whole forward pass.
         with tf.control_dependencies([value]):
-            received = [self._send_or_receive(me, other, other, n, value)
+            received = [self._send_or_receive(me, other, other, n, value, tag)
                         for other in range(n) if other != me]
         return tf.add_n([value] + received)
 
-    def _next_pair_instance(self, group, device):
-        # Counted per group and device, as TensorFlow counts its own (whose table knows
-        # only the groups it made): both replicas of a pair trace its sends in one order.
-        with self._lock:
-            self._pair_instances[group, device] += 1
-            return self._pair_instances[group, device]
-
-    def broadcast(self, ctx, value, shape, dtype):
+    def broadcast(self, ctx, value, shape, dtype, tag):
         """`value` from the one replica that passes it (the others pass None), on every
-        replica: a collective broadcast over all replicas, keyed as the strategy keys
-        its own collectives."""
-        group, instance = self._keys_here()
+        replica: a collective broadcast over all replicas about `tag` (a variable's
+        ordinal), in tfpar's own group (NCCL: keyed as the strategy keys its own)."""
+        if self.kind == "nccl" or self._key_base is None:
+            group, instance = self._keys_here()
+        else:
+            group = group_keys.broadcast_key(self._key_base)
+            instance = self._instance(group, tag)
         common = dict(group_size=ctx.num_replicas_in_sync, group_key=group,
                       instance_key=instance, timeout_seconds=self._timeout,
                       communication_hint="nccl" if self.kind == "nccl" else "auto")

@@ -84,6 +84,8 @@ SYMBOLS = {
     "tensorflow.python.eager.context.get_server_def":
         "the cluster a pipeline's chief is connected to (its stage workers' addresses)",
     "tensorflow.python.eager.record.could_possibly_record": "is a gradient tape recording",
+    "tensorflow.python.eager.record.stop_recording":
+        "a recomputed layer's forward pass, off the tape (ZeRO-3 across workers)",
     "tensorflow.python.ops.resource_variable_ops.ResourceVariable": "move mirrored copies",
 }
 
@@ -128,6 +130,8 @@ ATTRIBUTES = {
     "_outputs_struct": "keras Functional",
     "_run_through_graph": "keras Function",
     "_seed_generators": "keras.layers.Layer",
+    "_remat_mode": "keras Operation (written: ZeRO-3 recomputes a layer to gather its "
+                   "weights again for the backward pass)",
     "_should_eval": "keras.Model",
     "_standardize_inputs": "keras Functional",
     "_symbolic_build": "keras.Model",
@@ -208,6 +212,13 @@ def attr(obj, name):
     if value is _NOTHING:
         raise _missing(f"the private attribute {type(obj).__name__}.{name}")
     return value
+
+
+def set_attr(obj, name, value):
+    """Writes the private attribute `obj.name` (listed in ATTRIBUTES), which must exist
+    already: a renamed private fails closed instead of being written for nothing."""
+    attr(obj, name)
+    setattr(obj, name, value)
 
 
 def check(condition, what):

@@ -7,7 +7,9 @@ sharding strategy by the sharded step. What ZeRO cannot shard is refused when th
 optimizer is built, before any step runs.
 """
 
+import contextlib
 import functools
+import threading
 
 import tensorflow as tf
 
@@ -136,8 +138,107 @@ def _loaded_where_owned(keras_load):
     return load_own_variables
 
 
+# Layers whose call reads its weights and computes, nothing else: recomputing one gives
+# the same values and gradients (measured in the conformance table). Others (masks consumed,
+# recurrent cells in loops, BatchNorm's statistics, random draws) keep their reads.
+_RECOMPUTABLE = ("Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D")
+
+
+def regather_in_backward(model):
+    """Under shard="parameters" with reshard_after_forward (FSDP's default): each
+    recomputable layer (`_RECOMPUTABLE`, computing in its variables' dtype, called without
+    a mask) is recomputed for its backward pass, as under `keras.RematScope(mode="full")`.
+    Its weights are then read from their owners again there, and no read of the forward
+    pass is held until the backward pass: one layer's gathered weights at a time instead
+    of every layer's. Layers a user already put under a RematScope keep it. Returns the
+    number of layers changed (0 the second time)."""
+    import keras
+
+    changed = 0
+    for layer in internals.attr(model, "_flatten_layers")(include_self=False):
+        policy = layer.dtype_policy
+        if (type(layer).__name__ in _RECOMPUTABLE
+                and isinstance(layer, getattr(keras.layers, type(layer).__name__))
+                and policy.compute_dtype == policy.variable_dtype
+                and not layer.non_trainable_weights
+                and getattr(internals.attr(layer, "_remat_mode"), "mode", None) is None):
+            internals.set_attr(layer, "_remat_mode", keras.RematScope(mode="full"))
+            layer._tfpar_regathered = True
+            changed += 1
+    return changed
+
+
 def _differentiable(value):
     return tf.is_tensor(value) and value.dtype.is_floating
+
+
+# What runs inside a rematerialized call: True for the layer's own function, False for
+# what tf.custom_gradient does around it (innermost last).
+_remat_frames = threading.local()
+
+
+def _frames():
+    if not hasattr(_remat_frames, "stack"):
+        _remat_frames.stack = []
+    return _remat_frames.stack
+
+
+@contextlib.contextmanager
+def _frame(computing):
+    _frames().append(computing)
+    try:
+        yield
+    finally:
+        _frames().pop()
+
+
+def recording_a_remat_call():
+    """True while `tf.custom_gradient`, around a rematerialized layer call, turns the
+    variables the layer read into tensors to record them (after the layer ran): a stage-3
+    variable must then stand for itself, not be read from its owner again (that read's
+    gradient would be reduced to the owner a second time)."""
+    frames = _frames()
+    return bool(frames) and not frames[-1]
+
+
+def _recomputed(function):
+    """`function` (of tensors) recomputed for its backward pass, as `tf.recompute_grad`
+    does, with what tf.custom_gradient records around it marked (`recording_a_remat_call`)
+    and the backward pass made of one custom gradient, not two: TensorFlow's nests a second
+    one, whose bookkeeping reads every variable again during the backward pass (across
+    workers, one more collective per stage-3 variable read, which left steps waiting)."""
+
+    @tf.custom_gradient
+    def call(*args):
+        # The layer's reads (a broadcast from the owner, which needs no input) wait for
+        # its input: begun when the step starts, every layer's gathered weights would be
+        # held from then on.
+        with internals.symbol("tensorflow.python.eager.record.stop_recording")(), \
+                _frame(True), tf.control_dependencies([a for a in args if tf.is_tensor(a)]):
+            result = function(*args)
+
+        def gradient(*upstream, variables=None):
+            variables = list(variables or [])
+            # Recomputed, its weights read again, once the gradient arrives.
+            with tf.control_dependencies(upstream):
+                inputs = [tf.identity(a) for a in args]
+                with tf.GradientTape() as tape:
+                    tape.watch(inputs)
+                    tape.watch(variables)
+                    with _frame(True):
+                        recomputed = function(*inputs)
+            grads = tape.gradient(recomputed, inputs + variables, output_gradients=upstream,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return grads[:len(inputs)], grads[len(inputs):]
+
+        return result, gradient
+
+    return call
+
+
+def _gathers_parameters():
+    strategy = tf.distribute.get_strategy()
+    return bool(getattr(strategy, "_tfpar_gathers_parameters", False))
 
 
 def _remat_with_keyword_arguments(keras_remat):
@@ -147,13 +248,26 @@ def _remat_with_keyword_arguments(keras_remat):
     custom_gradient decorator currently supports keywords arguments only when eager
     execution is enabled", keras-team/keras#21207). Keyword arguments that carry no
     gradient (the training flag, masks) are bound before the call; others keep Keras'
-    behavior. (Under shard="parameters" remat is how gathered weights are freed per layer.)"""
+    behavior. Under a strategy whose replicas read stage-3 variables from other workers,
+    the call is recomputed by `_recomputed` (remat is how their gathered weights are
+    freed per layer)."""
 
     def remat(function):
+        def computed(*args, **kwargs):
+            with _frame(True):
+                return function(*args, **kwargs)
+
         def call(*args, **kwargs):
-            if not kwargs or any(_differentiable(v) for v in tf.nest.flatten(kwargs)):
-                return keras_remat(function)(*args, **kwargs)
-            return keras_remat(functools.partial(function, **kwargs))(*args)
+            if kwargs.get("mask") is not None and getattr(
+                    getattr(function, "__self__", None), "_tfpar_regathered", False):
+                return computed(*args, **kwargs)  # tfpar's choice, not the user's: no mask.
+            bind = kwargs and not any(_differentiable(v) for v in tf.nest.flatten(kwargs))
+            if _gathers_parameters() and (bind or not kwargs) and tf.inside_function():
+                with _frame(False):
+                    return _recomputed(functools.partial(function, **kwargs))(*args)
+            if not bind:
+                return keras_remat(computed)(*args, **kwargs)
+            return keras_remat(functools.partial(computed, **kwargs))(*args)
         return call
 
     return remat

@@ -104,7 +104,10 @@ class MemoryConfig:
 
     For "pipeline" and "model", `num_devices` counts the stages of one model copy.
     `activation_bytes` is what one copy of the whole model keeps for the backward
-    pass at its batch (per replica for data parallelism).
+    pass at its batch (per replica for data parallelism). `reshard_after_forward`
+    (stage 3): a layer's gathered weights are freed after its forward pass and gathered
+    again for its backward, so one variable is gathered at a time; False keeps every
+    gathered weight from the forward to the backward pass.
 
     >>> MemoryConfig("sharded", 8, shard="gradients").stage
     2
@@ -116,6 +119,7 @@ class MemoryConfig:
     optimizer_slots: int = 2
     dtype_bytes: int = 4
     activation_bytes: int = 0
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -208,6 +212,13 @@ def _device(config, weights, gradients, optimizer, activations, gathered=0):
                         activations, d * gathered)
 
 
+def _gathered(variables, config, owned):
+    """Values a stage-3 replica holds gathered from other owners at once."""
+    if config.stage != 3:
+        return 0
+    return variables.largest if config.reshard_after_forward else variables.total - owned
+
+
 def _estimate(variables, config):
     if config.kind in _SPLIT_KINDS:
         devices = [_device(config, p, p, p, a) for p, a in zip(
@@ -217,7 +228,7 @@ def _estimate(variables, config):
         full, stage = variables.total, config.stage
         devices = [_device(config, full if stage < 3 else owned, full if stage < 2 else owned,
                            full if stage < 1 else owned, config.activation_bytes,
-                           variables.largest if stage == 3 else 0)
+                           _gathered(variables, config, owned))
                    for owned in variables.per_owner(config.num_devices)]
     return MemoryEstimate(config, variables.total, tuple(devices))
 

@@ -21,6 +21,29 @@ def check_shard(shard):
     return STAGES[shard]
 
 
+def check_reshard(shard, reshard_after_forward):
+    """Whether a stage-3 replica frees the weights it gathered for a layer's forward pass
+    and gathers them again for its backward pass (FSDP's reshard_after_forward): the
+    default (None) under shard="parameters". ValueError for a value that is not a bool, or
+    True without stage 3 (nothing is gathered there).
+
+    >>> check_reshard("parameters", None), check_reshard("optimizer", None)
+    (True, False)
+    """
+    stage = check_shard(shard)
+    if reshard_after_forward is None:
+        return stage == 3
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward must be True, False or None. Received: "
+                         f"reshard_after_forward={reshard_after_forward!r}")
+    if reshard_after_forward and stage != 3:
+        raise ValueError(
+            f"reshard_after_forward=True frees and gathers again the weights a replica reads "
+            f"from their owners, which only shard='parameters' does. Received: "
+            f"shard={shard!r}. Pass shard='parameters', or drop reshard_after_forward.")
+    return reshard_after_forward
+
+
 def collectives_for(communication, across_workers=False, pair_groups=True):
     """How shards move: "nccl" (NCCL reduce-scatter and all-gather) when the strategy
     all-reduces with NCCL, on one host or across workers; "pairwise" across workers on
