@@ -41,7 +41,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
+from tfpar.cluster import memory_cgroup  # noqa: E402
+
 CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2")
 SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 BATCH = 16
@@ -151,54 +152,11 @@ def run_task(args):
 
 # -- the driver ------------------------------------------------------------------------------
 
-def cgroups_available():
-    return (os.geteuid() == 0 and os.path.isdir(CGROUP_ROOT)
-            and os.access(CGROUP_ROOT, os.W_OK))
-
-
-class Cgroup:
-    """A v1 memory cgroup of one process (or none, where the machine has no writable
-    controller: then only the process's own figures are taken)."""
-
-    def __init__(self, name, limit=None):
-        self.path = None
-        if not cgroups_available():
-            return
-        self.path = os.path.join(CGROUP_ROOT, name)
-        os.makedirs(self.path, exist_ok=True)
-        self._write("memory.max_usage_in_bytes", "0")
-        self._write("memory.limit_in_bytes", str(limit) if limit else "-1")
-        # No swap to fall back on: over the cap means killed.
-        with contextlib.suppress(OSError):
-            self._write("memory.memsw.limit_in_bytes", str(limit) if limit else "-1")
-        with contextlib.suppress(OSError):
-            self._write("memory.swappiness", "0")
-
-    def _write(self, name, value):
-        with open(os.path.join(self.path, name), "w") as f:
-            f.write(value)
-
-    def _read(self, name):
-        with open(os.path.join(self.path, name)) as f:
-            return f.read()
-
-    def join(self):
-        """Run in the child before it execs (Popen's preexec_fn)."""
-        if self.path:
-            with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
-                f.write(str(os.getpid()))
-
-    def figures(self):
-        if not self.path:
-            return {}
-        control = dict(line.split() for line in self._read("memory.oom_control").splitlines())
-        return {"cgroup_peak": int(self._read("memory.max_usage_in_bytes")),
-                "oom_kills": int(control.get("oom_kill", 0))}
-
-    def remove(self):
-        if self.path:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.path)
+def cap_bytes(base_rss, one_rss, fraction):
+    """The cap of the memory issue: base + fraction x what one process needs beyond the
+    base, in resident counts (applied to the cgroup, which does not count the libraries
+    another process loaded)."""
+    return int(base_rss + fraction * (one_rss - base_rss))
 
 
 def _free_ports(n):
@@ -228,7 +186,7 @@ def run_config(config, args, limit, workdir):
     and returns {task: figures}."""
     procs = {}
     for task, tf_config in _tf_configs(config).items():
-        group = Cgroup(f"tfpar_memory_{os.getpid()}_{config}_{task}", limit)
+        group = memory_cgroup.MemoryCgroup(f"tfpar_memory_{os.getpid()}_{config}_{task}", limit)
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         env.pop("TF_CONFIG", None)
         if tf_config:
@@ -304,8 +262,8 @@ def main(argv=None):
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown --configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
-    capped = cgroups_available()
-    print(f"memory cgroups: {'yes' if capped else 'no (root and ' + CGROUP_ROOT + ' needed)'}"
+    capped = memory_cgroup.available()
+    print(f"memory cgroups: {'yes' if capped else 'no (root and ' + memory_cgroup.ROOT + ' needed)'}"
           f"; model {args.layers} x Dense({args.width}) + head, "
           f"{sum(variable_sizes(args.width, args.layers)):,} parameters", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
@@ -318,11 +276,10 @@ def main(argv=None):
             cap = float(args.cap)
             if cap <= 1:
                 one = run_config("one", args, None, workdir)["single-0"]
-                kind = "cgroup" if capped else "rss"
-                need = one[f"{kind}_peak"] - base[kind]
-                limit = int(base[kind] + cap * need)
-                print(f"cap: {limit / (1 << 20):.0f} MiB = base {base[kind] / (1 << 20):.0f} + "
-                      f"{cap} x {need / (1 << 20):.0f} MiB ({kind} counts)", flush=True)
+                limit = cap_bytes(base["rss"], one["rss_peak"], cap)
+                print(f"cap: {limit / (1 << 20):.0f} MiB = base {base['rss'] / (1 << 20):.0f} "
+                      f"+ {cap} x what one process needs beyond it (resident counts)",
+                      flush=True)
             else:
                 limit = int(cap)
         if not capped and limit:

@@ -78,6 +78,12 @@ flags.DEFINE_enum("network", "auto", ["auto", "private", "host"],
 flags.DEFINE_float("timeout", 0.0,
                    "Seconds the whole run may take; then every task is stopped and the "
                    "launcher exits with code 124. 0: no limit.")
+flags.DEFINE_string("memory_cap", None,
+                    "Cap each cluster task's memory (e.g. 1.8GiB): every task runs in a memory "
+                    "cgroup of its own (Linux, root, the v1 memory controller), the kernel "
+                    "kills a task over its cap, and the launcher says so and prints every "
+                    "task's peak at the end. Where no cgroup can be made, the launcher says "
+                    "so and runs uncapped.")
 flags.DEFINE_bool("slurm", False,
                   "Run the command as this Slurm task (under srun), with the TF_CONFIG that "
                   "TensorFlow's SlurmClusterResolver builds from the Slurm environment.")
@@ -109,18 +115,25 @@ def main(argv):
         return 2
     from tfpar.cluster.network import choose_network
 
+    from tfpar.cluster import memory_cgroup
+    from tfpar.plan.units import parse_bytes
+
     try:
+        memory_cap = None if FLAGS.memory_cap is None else parse_bytes(FLAGS.memory_cap)
         # Before any task (or thread) starts: the tasks inherit the namespace.
         _, note = choose_network(FLAGS.network, FLAGS.host)
         launcher = Launcher(command, FLAGS.workers, FLAGS.ps, FLAGS.host, FLAGS.grace_seconds,
                             report_seconds=FLAGS.report_seconds,
                             max_restarts=FLAGS.max_restarts, data_service=FLAGS.data_service,
                             timeout_seconds=FLAGS.timeout or None,
-                            coordinator=FLAGS.coordinator)
+                            coordinator=FLAGS.coordinator, memory_cap=memory_cap)
     except ValueError as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2
     print(f"[launcher] {note}", flush=True)
+    if memory_cap is not None and not memory_cgroup.available():
+        print(f"[launcher] --memory_cap: no memory cgroup can be made here (root and "
+              f"{memory_cgroup.ROOT} needed): the tasks run uncapped", flush=True)
     return launcher.run()
 
 

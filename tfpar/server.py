@@ -9,6 +9,7 @@ module for those tasks:
 """
 
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -44,8 +45,22 @@ def serve(config, intra_op_threads=0, profiler_port=0):
         protocol=config.rpc_layer or "grpc", config=threads, start=True)
     if profiler_port:
         tf.profiler.experimental.server.start(profiler_port)
+    _say_peaks_when_stopped(config.task_name)
     print(f"tfpar.server: {config.task_name} serving at {server.target}", flush=True)
-    server.join()
+    while True:  # (Not server.join(): a signal handler runs only between Python bytecodes.)
+        signal.pause()
+
+
+def _say_peaks_when_stopped(name):
+    """On SIGTERM (how the launcher stops a server), print what this task held at its
+    peak (what the chief placed here: pipeline stages, ps variables), then exit."""
+    from tfpar.memory_probe import process_memory
+
+    def stop(signum, frame):
+        print(f"tfpar.server: {name} stopping; {process_memory().format()}", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv):

@@ -25,6 +25,7 @@ Two options:
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 
+from tfpar.cluster import memory_cgroup
 from tfpar.cluster.tf_config import ClusterConfig
 from tfpar.data_service import DATA_SERVICE_ENV
 
@@ -137,6 +139,11 @@ def _die_with_parent():
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _in_cgroup_dying_with_parent(cgroup):
+    cgroup.join()
+    _die_with_parent()
+
+
 class Task:
     """One started process of the cluster.
 
@@ -144,8 +151,9 @@ class Task:
     one (a helper process such as the tf.data service) it is named `name`.
     """
 
-    def __init__(self, config, command, env, output, name=None):
+    def __init__(self, config, command, env, output, name=None, cgroup=None):
         self.config = config
+        self.cgroup = cgroup  # A MemoryCgroup the process runs in, or None.
         self.name = config.task_name if config is not None else name
         self.command = list(command)
         self.env = dict(env, PYTHONUNBUFFERED="1")
@@ -158,7 +166,9 @@ class Task:
         # not outlive it holding its ports.
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent if cgroup is None else functools.partial(
+                _in_cgroup_dying_with_parent, cgroup))
         self._reader = threading.Thread(target=self._forward, args=(output,), daemon=True)
         self._reader.start()
 
@@ -187,9 +197,14 @@ class Task:
             except (ProcessLookupError, PermissionError):
                 break
             time.sleep(0.02)
-        task = Task(self.config, self.command, self.env, self._output, name=self.name)
+        task = Task(self.config, self.command, self.env, self._output, name=self.name,
+                    cgroup=self.cgroup)
         task.restarts = self.restarts + 1
         return task
+
+
+def _gib(size):
+    return f"{size / 2**30:.2f} GiB"
 
 
 class Launcher:
@@ -224,7 +239,8 @@ class Launcher:
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
-                 max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False):
+                 max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False,
+                 memory_cap=None):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -235,6 +251,12 @@ class Launcher:
             raise ValueError(f"--timeout must be a number of seconds > 0 (0 on the command "
                              f"line: no limit). Received: {timeout_seconds!r}")
         self.timeout_seconds = timeout_seconds
+        if memory_cap is not None and (isinstance(memory_cap, bool)
+                                       or not isinstance(memory_cap, int) or memory_cap <= 0):
+            raise ValueError(f"--memory_cap must be a size > 0, e.g. 2GiB. Received: "
+                             f"{memory_cap!r}")
+        self.memory_cap = memory_cap
+        self._cgroups = {}  # task name -> its MemoryCgroup (--memory_cap)
         self.command = list(command)
         size = sum(n for _, n in cluster_jobs(workers, ps, coordinator))
         # Held until the run ends: also while a restarted worker starts again.
@@ -338,7 +360,8 @@ class Launcher:
         """Starts every cluster task; returns (user tasks, fatal tasks, restartable tasks)."""
         user_tasks, fatal_tasks, restartable = [], [], []
         for config, command, runs_user_code, fatal, can_restart in self._plan():
-            task = self._track(Task(config, command, self.env, self._output))
+            task = self._track(Task(config, command, self.env, self._output,
+                                    cgroup=self._cgroup_of(config.task_name)))
             if runs_user_code:
                 user_tasks.append(task)
             if fatal:
@@ -346,6 +369,40 @@ class Launcher:
             if can_restart:
                 restartable.append(task)
         return user_tasks, fatal_tasks, restartable
+
+    def _cgroup_of(self, name):
+        """The memory cgroup of task `name` under --memory_cap (kept across restarts)."""
+        if self.memory_cap is None:
+            return None
+        if name not in self._cgroups:
+            self._cgroups[name] = memory_cgroup.MemoryCgroup(
+                f"tfpar_launch_{os.getpid()}_{name.replace(':', '_')}", self.memory_cap)
+        return self._cgroups[name]
+
+    def _exit_note(self, task, code):
+        """What the kernel did, when a task it killed was over its --memory_cap."""
+        if task.cgroup is None or code != -signal.SIGKILL:
+            return ""
+        figures = task.cgroup.figures()
+        if not figures.get("oom_kills"):
+            return ""
+        return (f" (killed by the kernel: over its --memory_cap of "
+                f"{_gib(self.memory_cap)}, peak {_gib(figures['cgroup_peak'])})")
+
+    def _report_memory(self):
+        """One line of every task's peak memory under --memory_cap, then the cgroups go."""
+        if not self._cgroups:
+            return
+        peaks = []
+        for name, group in self._cgroups.items():
+            figures = group.figures()
+            if figures:
+                kills = f", {figures['oom_kills']} killed" if figures["oom_kills"] else ""
+                peaks.append(f"{name} {_gib(figures['cgroup_peak'])}{kills}")
+            group.remove()
+        if peaks:
+            self._output(f"[launcher] memory peaks under --memory_cap={_gib(self.memory_cap)}: "
+                         f"{', '.join(peaks)}")
 
     def _restart_job(self):
         """Kills every cluster task (the whole job) and starts the cluster again."""
@@ -393,11 +450,12 @@ class Launcher:
                     lost = None
                     break
                 if task in user_tasks or lost is not None:
-                    self._output(f"[launcher] {task.name} exited with code {code}: "
-                                 f"stopping all tasks")
+                    self._output(f"[launcher] {task.name} exited with code {code}"
+                                 f"{self._exit_note(task, code)}: stopping all tasks")
                     return code
                 lost, report_deadline = task, time.monotonic() + self.report_seconds
-                self._output(f"[launcher] {task.name} exited with code {code}: waiting up to "
+                self._output(f"[launcher] {task.name} exited with code {code}"
+                             f"{self._exit_note(task, code)}: waiting up to "
                              f"{self.report_seconds:g}s for the chief to stop")
             if dispatcher is not None and dispatcher.process.poll() is not None:
                 code = dispatcher.process.returncode
@@ -465,4 +523,5 @@ class Launcher:
             task.join_output()
         for task in replaced:
             task.join_output()
+        self._report_memory()
         self._ports.close()

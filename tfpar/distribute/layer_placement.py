@@ -48,6 +48,10 @@ class PlacingStrategy:
     layer's variables when known before its model is placed, else None).
     """
 
+    # Read by the Keras seam: optimizer updates one variable after another, so that a
+    # device holds one update's temporaries at a time (`tfpar.keras.replicas`).
+    _tfpar_updates_in_turn = True
+
     # Called by the Keras seam before every call of a model created under this scope.
     def _tfpar_before_model_call(self, model, args, kwargs):
         import keras

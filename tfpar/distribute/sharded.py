@@ -277,22 +277,20 @@ def _is_sharded(strategy, variable):
 
 
 def full_state(strategy, optimizer):
-    """The optimizer's variables with their full values (numpy), as one device would
-    hold them: state owned on another worker comes from its owner. A collective:
-    every worker calls it, in the same order."""
+    """The optimizer's variables with their full values (numpy), as one device would hold
+    them, one at a time (a generator): state owned on another worker is fetched from its
+    owner when its turn comes, so a checkpoint never holds more than one variable of it.
+    A collective: every worker iterates it, in the same order."""
     owners = strategy._tfpar_shard_owners
-    variables = [internals.attr(v, "_value") for v in optimizer.variables]
-    sharded = [i for i, v in enumerate(variables) if id(v) in owners.slots]
-    references = [owners.slots[id(variables[i])] for i in sharded]
-    # (Shapes from Keras: under stage 3 a reference may be an empty stand-in.)
-    gathered = owner_values.values_of_owners(
-        strategy, [(optimizer.variables[i].shape, variables[i].dtype) for i in sharded],
-        [owners.owner_of(r) for r in references], lambda k: variables[sharded[k]])
-    values = [v.numpy() for v in variables]
-    for i, value in zip(sharded, gathered):
-        values[i] = value.numpy()
-    return values
-
+    for keras_variable in optimizer.variables:
+        variable = internals.attr(keras_variable, "_value")
+        if id(variable) not in owners.slots:
+            yield variable.numpy()
+            continue
+        # (The shape from Keras: under stage 3 a reference may be an empty stand-in.)
+        yield owner_values.values_of_owners(
+            strategy, [(keras_variable.shape, variable.dtype)],
+            [owners.owner_of(owners.slots[id(variable)])], lambda _: variable)[0].numpy()
 
 
 @dataclasses.dataclass

@@ -1,0 +1,116 @@
+"""A model bigger than one worker's memory, trained across workers, saved and resumed.
+
+A 100.7M-parameter MLP (24 x Dense(2048, tanh) + a 10-way head, SGD with momentum) needs
+about 1.9 GB in one process here. Capped at 70% of that above the base, one worker cannot
+train it; two workers can, with ZeRO-3 or with a pipeline of two stages:
+
+    tfpar launch --workers 2 --memory_cap 1.8GiB -- \\
+        python examples/bigger_than_one_worker.py --strategy=zero3 --save=/tmp/big.weights.h5
+    tfpar launch --workers 2 --memory_cap 1.8GiB -- \\
+        python examples/bigger_than_one_worker.py --strategy=zero3 --load=/tmp/big.weights.h5
+    tfpar launch --workers 2 --coordinator --memory_cap 1.8GiB -- \\
+        python examples/bigger_than_one_worker.py --strategy=pipeline --save=/tmp/big.weights.h5
+
+(`--strategy=data` under the same cap is killed by the kernel: each worker holds it all.)
+Checkpoints are Keras' own `save_weights` files, written one variable at a time, which
+load in plain Keras on one device. Each process prints its measured peaks
+(`tfpar.process_memory`); with --report=DIR it also writes them to DIR/<task>.json.
+"""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+import tfpar  # noqa: E402  (cheap: TensorFlow is imported on first use)
+from tfpar.cluster import parse_tf_config  # noqa: E402
+
+STRATEGIES = ("one", "data", "zero1", "zero2", "zero3", "pipeline")
+flags.DEFINE_enum("strategy", "zero3", STRATEGIES,
+                  "one: this process alone; data: data parallelism across the TF_CONFIG "
+                  "workers; zeroN: with ZeRO stage N; pipeline: one stage per worker (run "
+                  "with tfpar launch --coordinator).")
+flags.DEFINE_integer("width", 2048, "Units of each hidden layer (and inputs).")
+flags.DEFINE_integer("layers", 24, "Hidden layers.")
+flags.DEFINE_integer("micro_batches", 4, "Micro-batches of a pipeline step.")
+flags.DEFINE_integer("steps", 2, "Steps of batch 16 to train.")
+flags.DEFINE_integer("first_step", 0, "The data starts at this step's batch (a resumed run "
+                                      "goes on where the first one stopped).")
+flags.DEFINE_string("load", None, "Weights to start from (a Keras .weights.h5 file).")
+flags.DEFINE_string("save", None, "Where to save the weights after training.")
+flags.DEFINE_string("report", None, "Directory for this process's figures (JSON).")
+FLAGS = flags.FLAGS
+
+BATCH = 16
+SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
+
+
+def make_strategy(name, micro_batches=4):
+    import tensorflow as tf
+
+    if name == "one":
+        return tf.distribute.get_strategy()
+    if name == "pipeline":
+        return tfpar.PipelineStrategy(
+            num_micro_batches=micro_batches,
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    return tfpar.DataParallelStrategy(shard=SHARDS.get(name), timeout_seconds=600)
+
+
+def make_model(width, layers):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="tanh") for _ in range(layers)]
+        + [keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def make_data(width, first_step, steps):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=((first_step + steps) * BATCH, width)).astype("float32")
+    y = (np.arange(len(x)) % 10).astype("int32")
+    return x[first_step * BATCH:], y[first_step * BATCH:]
+
+
+def main(_):
+    import tensorflow as tf
+
+    strategy = make_strategy(FLAGS.strategy, FLAGS.micro_batches)
+    x, y = make_data(FLAGS.width, FLAGS.first_step, FLAGS.steps)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    with strategy.scope():
+        model = make_model(FLAGS.width, FLAGS.layers)
+    if FLAGS.load:
+        model.load_weights(FLAGS.load)
+    tfpar.reset_memory_peaks()
+    model.fit(dataset, epochs=1, verbose=0)
+    trained = tfpar.process_memory()
+    config = parse_tf_config(os.environ.get("TF_CONFIG"))  # None without a cluster.
+    task = config.task_name.replace(":", "-") if config and config.task_type else "single-0"
+    if FLAGS.save:
+        # Every worker saves together under sharding (each variable is fetched from its
+        # owner); only the chief's file is kept.
+        chief = config is None or config.task_type is None or config.is_chief
+        model.save_weights(FLAGS.save if chief else f"{FLAGS.save}.{task}.weights.h5")
+        if not chief:
+            os.remove(f"{FLAGS.save}.{task}.weights.h5")
+    print(f"{task}: {model.count_params():,} parameters, trained {FLAGS.steps} steps with "
+          f"{FLAGS.strategy}; {trained.format()}", flush=True)
+    if FLAGS.report:
+        os.makedirs(FLAGS.report, exist_ok=True)
+        with open(os.path.join(FLAGS.report, f"{task}.json"), "w") as f:
+            json.dump({"allocator_peak": trained.allocator_peak_bytes,
+                       "rss_peak": trained.rss_peak_bytes}, f)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,151 @@
+"""Bigger than one worker, measured: the 100.7M-parameter MLP of the memory issue (24 x
+Dense(2048, tanh) + a 10-way head, SGD with momentum, batch 16) under a per-process memory
+cap of base + 0.7 x what one process needs to train it (resident counts, as the issue
+measures them; each process in a memory cgroup of its own, `tfpar launch --memory_cap`).
+
+ZeRO-3 over 2 worker processes and a pipeline of 2 stages on 2 worker processes each
+train 2 steps, save with Keras' own `save_weights`, then fresh capped processes load that
+file and train 2 more steps; every checkpoint loads in plain Keras and equals one
+process's weights. Plain data parallelism under the same cap is killed (the cap bites).
+Where no cgroup can be made, the peaks are measured and compared with the cap instead,
+and the test says so.
+"""
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tfpar.cluster import memory_cgroup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLE = os.path.join(HERE, "..", "examples", "bigger_than_one_worker.py")
+FRACTION = 0.7
+TIMEOUT = 300
+
+pytestmark = pytest.mark.slow
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("bigger_than_one_worker", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(command):
+    """(exit code, output, peak resident bytes of the process and its children) of
+    `command`, run in a session of its own that is killed whole after TIMEOUT seconds."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{command} took over {TIMEOUT} s:\n{output.decode()[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # Whatever it left behind.
+        except ProcessLookupError:
+            pass
+    return process.returncode, output.decode(errors="replace")
+
+
+def _peak_of(command):
+    """Peak resident bytes of a one-process `command` (the rusage of that child)."""
+    import time
+
+    process = subprocess.Popen(command, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                break
+            assert time.monotonic() < deadline, f"{command} took over {TIMEOUT} s"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert os.waitstatus_to_exitcode(status) == 0, command
+    return usage.ru_maxrss * 1024
+
+
+def _launch(cap, strategy, *args, coordinator=False):
+    command = [sys.executable, "-m", "tfpar.cli", "launch", "--workers=2",
+               f"--memory_cap={cap}", "--timeout=240",
+               *(["--coordinator"] if coordinator else []), "--",
+               sys.executable, EXAMPLE, f"--strategy={strategy}", *args]
+    return _run(command)
+
+
+def _weights(example, path):
+    """The weights in `path`, loaded in plain Keras on one device (no tfpar strategy)."""
+    model = example.make_model(2048, 24)
+    model.load_weights(path)
+    return [w.numpy() for w in model.weights]
+
+
+def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_parallelism(
+        tmp_path):
+    example = _example()
+    # The base: a process that imports tfpar, TensorFlow and Keras and starts TensorFlow.
+    base = _peak_of([sys.executable, "-c", "import tfpar, keras, tensorflow as tf; "
+                     "tf.constant(1.0)"])
+    # One process training the model (and saving its weights: the reference).
+    one = str(tmp_path / "one")
+    one_peak = _peak_of([sys.executable, EXAMPLE, "--strategy=one", f"--save={one}-1.weights.h5"])
+    cap = int(base + FRACTION * (one_peak - base))
+    capped = memory_cgroup.available()
+    print(f"base {base / 2**20:.0f} MiB, one process {one_peak / 2**20:.0f} MiB, cap "
+          f"{cap / 2**20:.0f} MiB ({'enforced by memory cgroups' if capped else 'NOT enforced: no memory cgroups here, peaks compared instead'})")
+    code, output = _run([sys.executable, EXAMPLE, "--strategy=one", f"--load={one}-1.weights.h5",
+                         "--first_step=2", f"--save={one}-2.weights.h5"])
+    assert code == 0, output[-3000:]
+
+    peaks = {}
+    for strategy, coordinator in (("zero3", False), ("pipeline", True)):
+        saved = str(tmp_path / strategy)
+        for phase, args in ((1, [f"--save={saved}-1.weights.h5"]),
+                            (2, [f"--load={saved}-1.weights.h5", "--first_step=2",
+                                 f"--save={saved}-2.weights.h5"])):
+            code, output = _launch(cap, strategy, *args, coordinator=coordinator)
+            assert code == 0, f"{strategy}, run {phase}:\n{output[-4000:]}"
+            line = re.search(r"memory peaks under --memory_cap=\S+ GiB: (.*)", output)
+            peaks[strategy, phase] = line[1] if line else None
+            assert "killed" not in (line[1] if line else ""), line[1]
+            if not capped:  # The peaks each process measured itself, against the cap.
+                rss = [float(m) * 2**20 for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+                assert rss and max(rss) < cap, (strategy, phase, rss, cap)
+    print(peaks)
+
+    # The same cap kills plain data parallelism: each worker holds the whole state.
+    code, output = _launch(cap, "data")
+    if capped:
+        assert code != 0, output[-3000:]
+        assert re.search(r"worker:\d exited with code -9 \(killed by the kernel: over its "
+                         r"--memory_cap", output), output[-3000:]
+    else:
+        rss = [float(m) * 2**20 for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+        assert code == 0 and max(rss) > cap, (rss, cap)
+
+    # Every checkpoint loads in plain Keras and equals one process's weights.
+    for phase in (1, 2):
+        want = _weights(example, f"{one}-{phase}.weights.h5")
+        for strategy in ("zero3", "pipeline"):
+            got = _weights(example, str(tmp_path / f"{strategy}-{phase}.weights.h5"))
+            assert len(got) == len(want) == 50
+            worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+            assert worst < 1e-5, (strategy, phase, worst)
+        del want, got
