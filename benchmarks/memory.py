@@ -28,9 +28,7 @@ Writes benchmarks/results/memory.json (or --out) and prints a table.
 import argparse
 import contextlib
 import json
-import math
 import os
-import resource
 import signal
 import socket
 import subprocess

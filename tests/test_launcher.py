@@ -486,3 +486,44 @@ def test_the_watchdog_kills_listed_groups_only_when_its_input_ends_without_exit(
         for process in (first, second, third):
             process.kill()
             process.wait()
+
+
+# --memory_cap
+
+def test_memory_cap_names_the_task_the_kernel_killed_and_prints_every_peak(tmp_path):
+    """Worker 1 allocates 400 MB under a 200 MiB cap and is killed by the kernel; worker 0
+    allocates 20 MB and would run on. Without memory cgroups here the cap cannot be set:
+    then the launcher must say so (and this test says it checked only that)."""
+    from tfpar.cluster import memory_cgroup
+
+    if not memory_cgroup.available():
+        result = subprocess.run([PY, "-m", "tfpar.launch", "--workers=1",
+                                 "--memory_cap=200MiB", "--", PY, "-c", "pass"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0
+        assert "--memory_cap: no memory cgroup can be made here" in result.stdout
+        print("no memory cgroups here: checked only that the launcher says the cap is not set")
+        return
+    code = ("import os, json, time;"
+            "i = json.loads(os.environ['TF_CONFIG'])['task']['index'];"
+            "b = bytearray((400 if i == 1 else 20) * 10**6);"
+            "print('allocated', flush=True); time.sleep(600)")
+    exit_code, lines, _ = _launch(tmp_path, code, grace_seconds=2, memory_cap=200 * 2**20)
+    assert exit_code == -9, lines
+    assert ("[launcher] worker:1 exited with code -9 (killed by the kernel: over its "
+            "--memory_cap of 0.20 GiB, peak 0.20 GiB): stopping all tasks") in lines, lines
+    peaks = [line for line in lines if line.startswith("[launcher] memory peaks")]
+    assert len(peaks) == 1, lines
+    # Worker 0's peak (its 20 MB and Python) is well under the cap; worker 1 reached it.
+    worker0 = float(peaks[0].split("worker:0 ")[1].split(" GiB")[0])
+    assert worker0 < 0.1 and "worker:1 0.20 GiB, 1 killed" in peaks[0], peaks
+    assert not [d for d in os.listdir(memory_cgroup.ROOT) if f"tfpar_launch_{os.getpid()}_" in d]
+
+
+def test_memory_cap_must_be_a_size():
+    with pytest.raises(ValueError, match="--memory_cap must be a size > 0"):
+        Launcher([PY, "-c", "pass"], 2, memory_cap=0)
+    result = subprocess.run([PY, "-m", "tfpar.launch", "--memory_cap=lots", "--", PY, "-c",
+                             "pass"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "Cannot read 'lots' as bytes" in result.stderr

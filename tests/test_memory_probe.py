@@ -4,7 +4,6 @@ Keras callback that records them while training."""
 import doctest
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tfpar

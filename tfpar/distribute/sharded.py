@@ -19,7 +19,11 @@ ratio, per-variable clipping) sees it whole.
   read another worker's variable: each read is a broadcast from the owner, and its
   gradient goes back to the owner alone, which sums (`read_parameter`, as FSDP gathers
   and reduces per layer); a worker that owns no part of a variable holds an empty
-  stand-in.
+  stand-in. With `reshard_after_forward` (the default) recomputable layers are recomputed
+  in the backward pass, so each read lives for its layer's forward (or backward) only
+  (`tfpar.keras.sharded.regather_in_backward`). These collectives are keyed by the
+  variable's ordinal and its count of reads in the traced step, not by trace order, which
+  differs between a variable's owner and the others once layers are recomputed.
 
 Gradients and updated values travel in flat buckets of about `bytes_per_pack` (25 MiB by
 default), the last layers' first: each bucket's reduce-scatter waits only for its own

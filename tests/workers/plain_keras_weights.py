@@ -1,0 +1,31 @@
+"""Loads two `.weights.h5` files of the memory test's MLP in plain Keras (no tfpar in this
+process) and prints the largest difference between their weights, as JSON.
+
+    python plain_keras_weights.py WIDTH LAYERS A.weights.h5 B.weights.h5
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def weights(width, layers, path):
+    model = keras.Sequential([keras.Input((width,))]
+                             + [keras.layers.Dense(width, activation="tanh")
+                                for _ in range(layers)] + [keras.layers.Dense(10)])
+    model.load_weights(path)
+    return [w.numpy() for w in model.weights]
+
+
+if __name__ == "__main__":
+    width, layers, first, second = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    a = weights(width, layers, first)
+    b = weights(width, layers, second)
+    print(json.dumps({"variables": len(a),
+                      "max_difference": max(float(np.max(np.abs(x - y))) for x, y in zip(a, b)),
+                      "tfpar_imported": "tfpar" in sys.modules}))
