@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,10 +217,9 @@ def run_config(config, args, limit, workdir):
     finally:
         for task, (process, group, result, serving, log) in procs.items():
             if task not in figures:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                _, status, usage = os.wait4(process.pid, 0)
-                figures[task] = dict(_exited(status, usage),
+                # A server prints its peaks on SIGTERM (tfpar.server); anything else left
+                # running timed out.
+                figures[task] = dict(_stop(process, signal.SIGTERM if serving else None),
                                      stopped="served" if serving else "timed out")
             figures[task].update(group.figures())
             group.remove()
@@ -227,10 +227,32 @@ def run_config(config, args, limit, workdir):
             if os.path.exists(result):
                 with open(result) as f:
                     figures[task].update(json.load(f))
+            elif serving:
+                with open(log.name) as f:
+                    said = re.search(r"allocator [\d.]+ MiB \(peak ([\d.]+) MiB\)", f.read())
+                if said:
+                    figures[task]["allocator_peak"] = int(float(said[1]) * (1 << 20))
             elif figures[task]["exit"] != 0:
                 with open(log.name) as f:
                     figures[task]["log_tail"] = f.read()[-1500:]
     return figures
+
+
+def _stop(process, first_signal, grace=10.0):
+    """Ends `process` (`first_signal`, then SIGKILL after `grace` s) and returns its figures."""
+    if first_signal is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, first_signal)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            if pid:
+                return _exited(status, usage)
+            time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    _, status, usage = os.wait4(process.pid, 0)
+    return _exited(status, usage)
 
 
 def _exited(status, usage):
