@@ -81,6 +81,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
     # batch, BatchNorm statistics averaged over replicas, gradient accumulation.
     _tfpar_exact_replicas = True
     _tfpar_mirrored = True
+    # Read by the Keras seam: optimizer updates one variable after another, so that a
+    # replica holds one update's temporaries at a time (`tfpar.keras.replicas`).
+    _tfpar_updates_in_turn = True
 
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None, shard=None,

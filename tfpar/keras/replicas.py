@@ -39,6 +39,7 @@ import threading
 import tensorflow as tf
 
 from tfpar.keras import internals
+from tfpar.keras import steps
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _local = threading.local()
@@ -355,10 +356,10 @@ def _accumulation_outside_cond(keras_apply):
 
 def _updates_in_turn(keras_update_step):
     """TFOptimizer._distributed_tf_update_step under a strategy that asks for it
-    (`_tfpar_updates_in_turn`): each variable's update waits for the previous one's.
-    Independent, they all ran at once, each holding temporaries the size of its variable:
-    a pipeline stage of 12 2048 x 2048 layers with SGD momentum peaked 384 MiB (two of
-    its variables' sizes) above its state."""
+    (`_tfpar_updates_in_turn`: data parallelism, pipelines, model parallelism): each
+    variable's update waits for the previous one's (`steps.one_after_another`). A pipeline
+    stage of 12 2048 x 2048 layers with SGD momentum peaked 384 MiB above its state, every
+    update's temporaries at once."""
 
     @functools.wraps(keras_update_step)
     def update_step(self, distribution, grads_and_vars, learning_rate):
@@ -370,13 +371,12 @@ def _updates_in_turn(keras_update_step):
             self.update_step(grad, variable, learning_rate)
             return variable.read_value()  # Ordered after the update (the same resource).
 
-        done = []
-        for grad, variable in grads_and_vars:
-            with tf.control_dependencies(done):
-                result = distribution.extended.update(
-                    variable, apply, args=(grad, learning_rate), group=False)
-            done = [t.op for t in tf.nest.flatten(distribution.experimental_local_results(result))
-                    if tf.is_tensor(t)]
+        def update(pair):
+            grad, variable = pair
+            return distribution.experimental_local_results(distribution.extended.update(
+                variable, apply, args=(grad, learning_rate), group=False))
+
+        steps.one_after_another(grads_and_vars, update)
 
     return update_step
 

@@ -36,3 +36,16 @@ def call_model(model, x, training):
     if internals.attr(model, "_call_has_training_arg"):
         return model(x, training=training)
     return model(x)
+
+
+def one_after_another(items, update):
+    """Calls `update(item)` for each item in turn, each call's ops made to wait for what the
+    previous call returned (tensors or ops, e.g. a read of the variable it updated).
+    Optimizer updates of different variables are independent, so a step runs them all at
+    once, each holding temporaries the size of its variable: in turn, it holds one's."""
+    done = []
+    for item in items:
+        with tf.control_dependencies(done):
+            result = update(item)
+        done = [t.op if tf.is_tensor(t) else t for t in tf.nest.flatten(result)
+                if tf.is_tensor(t) or isinstance(t, tf.Operation)]
