@@ -48,7 +48,6 @@ from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
 from tfpar.keras import internals
 from tfpar.keras import sharded as keras_sharded
-from tfpar.keras import steps
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import replica_id, replica_in_sync
 from tfpar.plan import sharding
@@ -381,13 +380,8 @@ def _apply_owned(optimizer, owned, learning_rate, accumulation):
     """The optimizer's update of the replica's own variables, or their accumulation."""
     if accumulation is not None:
         return accumulation.apply(optimizer, owned, learning_rate)
-
-    def update(item):
-        _, grad, variable = item
+    for _, grad, variable in owned:
         optimizer.update_step(grad, variable, learning_rate)
-        return variable.read_value()  # Ordered after the update (the same resource).
-
-    steps.one_after_another(owned, update)
 
 
 def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, collectives,
