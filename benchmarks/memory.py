@@ -27,6 +27,7 @@ Writes benchmarks/results/memory.json (or --out) and prints a table.
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -44,7 +45,10 @@ from tfpar.cluster import memory_cgroup  # noqa: E402
 
 CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2")
 SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
-BATCH = 16
+# Each configuration's --strategy of examples/bigger_than_one_worker.py.
+EXAMPLE_STRATEGY = {"one": "one", "data2": "data", "zero1": "zero1", "zero2": "zero2",
+                    "zero3": "zero3", "pipeline2": "pipeline"}
+BATCH = 16  # The example's.
 STEPS = 2
 
 
@@ -92,48 +96,38 @@ def _tasks(config):
 
 # -- one process (--role=task) ----------------------------------------------------------------
 
+def _example():
+    path = os.path.join(os.path.dirname(HERE), "examples", "bigger_than_one_worker.py")
+    spec = importlib.util.spec_from_file_location("bigger_than_one_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_task(args):
     """Trains (or, for --config=base, only imports) and writes this process's figures."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
-    import keras
     import tensorflow as tf
 
     import tfpar
 
     result = {}
     if args.config != "base":
-        strategy = None
-        if args.config == "data2":
-            strategy = tfpar.DataParallelStrategy(timeout_seconds=600)
-        elif args.config in SHARDS:
-            strategy = tfpar.DataParallelStrategy(shard=SHARDS[args.config],
-                                                  timeout_seconds=600)
-        elif args.config == "pipeline2":
-            strategy = tfpar.PipelineStrategy(
-                num_micro_batches=4,
-                cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(BATCH * STEPS, args.width)).astype("float32")
-        y = (np.arange(BATCH * STEPS) % 10).astype("int32")
+        # The example's model, data and strategies: what its users run is what is measured.
+        example = _example()
+        strategy = example.make_strategy(EXAMPLE_STRATEGY[args.config])
+        x, y = example.make_data(args.width, 0, STEPS)
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            keras.utils.set_random_seed(0)
-            model = keras.Sequential(
-                [keras.Input((args.width,))]
-                + [keras.layers.Dense(args.width, activation="tanh")
-                   for _ in range(args.layers)] + [keras.layers.Dense(10)])
-            model.compile(keras.optimizers.SGD(0.01, momentum=0.9),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with strategy.scope():
+            model = example.make_model(args.width, args.layers)
         built = tfpar.process_memory()
         result.update(built_allocator=built.allocator_bytes,
                       build_allocator_peak=built.allocator_peak_bytes,
                       built_rss=built.rss_bytes, build_rss_peak=built.rss_peak_bytes)
         tfpar.reset_memory_peaks()
         started = time.monotonic()
-        history = model.fit(dataset if strategy else x, None if strategy else y,
-                            batch_size=None if strategy else BATCH, epochs=1, shuffle=False,
-                            verbose=0)
+        history = model.fit(dataset, epochs=1, verbose=0)
         result["seconds"] = time.monotonic() - started
         result["loss"] = float(history.history["loss"][-1])
         measured = tfpar.process_memory()
@@ -283,7 +277,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown --configs {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
     capped = memory_cgroup.available()
-    print(f"memory cgroups: {'yes' if capped else 'no (root and ' + memory_cgroup.ROOT + ' needed)'}"
+    where = "yes" if capped else f"no (root and {memory_cgroup.ROOT} needed)"
+    print(f"memory cgroups: {where}"
           f"; model {args.layers} x Dense({args.width}) + head, "
           f"{sum(variable_sizes(args.width, args.layers)):,} parameters", flush=True)
     with tempfile.TemporaryDirectory() as workdir:

@@ -74,6 +74,12 @@ def _peak_of(command):
     return usage.ru_maxrss * 1024
 
 
+def _resident_peaks(output):
+    """The resident peaks (bytes) each process of the example printed."""
+    return [float(m) * 2**20
+            for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+
+
 def _launch(cap, strategy, *args, coordinator=False):
     command = [sys.executable, "-m", "tfpar.cli", "launch", "--workers=2",
                f"--memory_cap={cap}", "--timeout=240",
@@ -103,8 +109,10 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
     one_peak = _peak_of([sys.executable, EXAMPLE, "--strategy=one", f"--save={one}-1.weights.h5"])
     cap = int(base + FRACTION * (one_peak - base))
     capped = memory_cgroup.available()
+    how = ("enforced by memory cgroups" if capped
+           else "NOT enforced: no memory cgroups here, peaks compared instead")
     print(f"base {base / 2**20:.0f} MiB, one process {one_peak / 2**20:.0f} MiB, cap "
-          f"{cap / 2**20:.0f} MiB ({'enforced by memory cgroups' if capped else 'NOT enforced: no memory cgroups here, peaks compared instead'})")
+          f"{cap / 2**20:.0f} MiB ({how})")
     code, output = _run([sys.executable, EXAMPLE, "--strategy=one", f"--load={one}-1.weights.h5",
                          "--first_step=2", f"--save={one}-2.weights.h5"])
     assert code == 0, output[-3000:]
@@ -121,7 +129,7 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
             peaks[strategy, phase] = line[1] if line else None
             assert "killed" not in (line[1] if line else ""), line[1]
             if not capped:  # The peaks each process measured itself, against the cap.
-                rss = [float(m) * 2**20 for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+                rss = _resident_peaks(output)
                 assert rss and max(rss) < cap, (strategy, phase, rss, cap)
     print(peaks)
 
@@ -132,7 +140,7 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
         assert re.search(r"worker:\d exited with code -9 \(killed by the kernel: over its "
                          r"--memory_cap", output), output[-3000:]
     else:
-        rss = [float(m) * 2**20 for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+        rss = _resident_peaks(output)
         assert code == 0 and max(rss) > cap, (rss, cap)
 
     # Every checkpoint loads in plain Keras and equals one process's weights (which the 2

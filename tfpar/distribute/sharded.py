@@ -397,7 +397,6 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     ctx = tf.distribute.get_replica_context()
     me = replica_in_sync()
     owner = [strategy._tfpar_shard_owners.owner_of(v) for v in variables]
-    ordinals = [strategy._tfpar_shard_owners.ordinal_of(v) for v in variables]
     if strategy._tfpar_gathers_parameters:
         # Each read's gradient was already summed to its owner (`read_parameter`).
         mine = [i for i in range(len(variables)) if owner[i] == me]
@@ -410,6 +409,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
             _update.running = False
         strategy._tfpar_step_shapes.gradient_bytes = sum(num_bytes(variables[i]) for i in mine)
         return
+    ordinals = [strategy._tfpar_shard_owners.ordinal_of(v) for v in variables]
     # A replica's own copy of a mirrored variable (among this worker's copies); a stage-3
     # variable has one copy.
     local = [strategy.experimental_local_results(v)[replica_id()]
@@ -595,10 +595,10 @@ class ShardCollectives:
 
     def reduce_to_owners(self, ctx, values, owners):
         """{key: the sum over the replicas of values[key]} for the keys this replica owns
-        (`owners[key]`; keys are the variables' ordinals), one variable at a time: each other replica sends its value to
-        the owner alone ("pairwise" across workers on CPUs, where TensorFlow has no
-        reduce-scatter). Per replica that moves what a reduce-scatter would, (n-1)/n of
-        the values, and nothing is flattened or padded. (A bucketed exchange, each pair
+        (`owners[key]`; keys are the variables' ordinals), one variable at a time: each
+        other replica sends its value to the owner alone ("pairwise" across workers on
+        CPUs, where TensorFlow has no reduce-scatter). Per replica that moves what a
+        reduce-scatter would, (n-1)/n of the values, and nothing is flattened or padded. (A bucketed exchange, each pair
         sending both ways, hung across workers once there were more buckets than
         workers: BUILD_NOTES.)
         """

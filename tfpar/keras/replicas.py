@@ -356,7 +356,8 @@ def _accumulation_outside_cond(keras_apply):
 
 def _updates_in_turn(keras_update_step):
     """TFOptimizer._distributed_tf_update_step under a strategy that asks for it
-    (`_tfpar_updates_in_turn`: data parallelism, pipelines, model parallelism): each
+    (`_tfpar_updates_in_turn`: data parallelism across workers, pipelines, model
+    parallelism): each
     variable's update waits for the previous one's (`steps.one_after_another`). A pipeline
     stage of 12 2048 x 2048 layers with SGD momentum peaked 384 MiB above its state, every
     update's temporaries at once."""

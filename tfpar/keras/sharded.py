@@ -109,7 +109,8 @@ def _remote_state(optimizer):
 def _saved_whole(keras_save):
     """BaseOptimizer.save_own_variables: state owned on other workers is fetched from its
     owners one variable at a time, each written before the next is fetched, so a
-    checkpoint holds what one device would and saving holds one variable more. Every worker saves together
+    checkpoint holds what one device would and saving holds one variable more. Every
+    worker saves together
     (tfpar's callbacks see to it; a program's own save must run on every worker)."""
 
     @functools.wraps(keras_save)
