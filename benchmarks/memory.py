@@ -66,6 +66,7 @@ def planned_bytes(config, width, layers, base):
     """Per process: [(task, planned bytes)] = base + the plan's per-device peak (SGD with
     momentum: one slot). The chief of a pipeline holds no stage: base only."""
     from tfpar.plan import memory as plan
+    from tfpar.plan import sharding
 
     sizes = variable_sizes(width, layers)
     # Kept for the backward pass: each layer's input and output, fp32, per example.
@@ -75,8 +76,11 @@ def planned_bytes(config, width, layers, base):
     elif config == "data2":
         cfg = plan.MemoryConfig("data", 2, optimizer_slots=1, activation_bytes=activations)
     elif config in SHARDS:
+        # Stages 1-2 across workers on CPUs send each gradient as it is made, the
+        # backward pass pacing itself to a bucket in flight (what the strategy reports).
         cfg = plan.MemoryConfig("sharded", 2, shard=SHARDS[config], optimizer_slots=1,
-                                activation_bytes=activations)
+                                activation_bytes=activations,
+                                gradient_window_bytes=sharding.DEFAULT_BUCKET_BYTES)
     else:
         cfg = plan.MemoryConfig("pipeline", 2, optimizer_slots=1, activation_bytes=activations)
     devices = plan.estimate_memory(sizes, cfg).devices

@@ -366,3 +366,25 @@ def test_cli_main_returns_0_in_process(capsys):
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed
+
+
+def test_paced_gradients_hold_a_window_not_the_stage_share():
+    """Stages 1-2 across workers send each gradient as it is made: a replica holds the
+    window in flight and two of the largest variable's gradients, never more than the
+    stage's share; stage 0 and stage 3 ignore the window."""
+    sizes = [1000] * 8  # 4 B each: 32 KB of gradients, 8 KB per variable.
+    window = 4000
+    for shard, share in (("optimizer", 8000), ("gradients", 4000)):
+        paced = estimate_memory(sizes, MemoryConfig("sharded", 2, shard, optimizer_slots=0,
+                                                    gradient_window_bytes=window))
+        whole = estimate_memory(sizes, MemoryConfig("sharded", 2, shard, optimizer_slots=0))
+        assert whole.devices[0].gradients == 4 * share
+        assert paced.devices[0].gradients == window + 2 * 4 * 1000
+        assert paced.devices[0].weights == whole.devices[0].weights
+    tiny = estimate_memory([10] * 8, MemoryConfig("sharded", 2, "gradients",
+                                                  gradient_window_bytes=10**6))
+    assert tiny.devices[0].gradients == 4 * 40  # Capped at the stage's share.
+    for kind, shard in (("data", None), ("sharded", "parameters")):
+        windowed = MemoryConfig(kind, 2, shard, gradient_window_bytes=4)
+        assert (estimate_memory(sizes, windowed).devices
+                == estimate_memory(sizes, MemoryConfig(kind, 2, shard)).devices)

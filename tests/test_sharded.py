@@ -189,7 +189,7 @@ def test_pairwise_reduce_to_owners_sums_each_variable_on_its_owner(n):
         def replica():
             ctx = tf.distribute.get_replica_context()
             me = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
-            mine = collectives.reduce_to_owners(
+            mine, _ = collectives.reduce_to_owners(
                 ctx, {k: tf.range(k + 2, dtype=tf.float32) + 100 * me for k in range(count)},
                 owners)
             return {k: mine.get(k, tf.constant(-1.0)) for k in range(count)}
@@ -475,3 +475,34 @@ def test_each_bucket_waits_only_for_its_own_gradients(shard):
     first_bucket = [op for op in graph.get_operations()
                     if f"tfpar_zero_bucket_{len(buckets) - 1}/" in op.name]
     assert set(first_gradient) & _ancestors([i for op in first_bucket for i in op.inputs])
+
+
+def test_weight_gradients_wait_for_earlier_transfers_within_a_window():
+    """Across workers the backward pass is paced: each weight gradient's op waits for the
+    transfer of the gradient about a window before it (last layers first), and an op that
+    is not a weight gradient's (one clipped by the global norm) is left alone, so nothing
+    it feeds can wait for itself."""
+    from tfpar.distribute import sharded
+
+    @tf.function
+    def step():
+        x = tf.ones([4, 8])
+        dy = tf.ones([4, 8])
+        grads = [tf.matmul(x, dy, transpose_a=True) for _ in range(4)]
+        grads.append(grads[0] * 0.5)  # Clipped: a Mul.
+        transfers = [(i, tf.identity(grads[i], name=f"transfer_{i}").op, 256)
+                     for i in (4, 3, 2, 1, 0)]
+        sharded._pace_gradients(grads, transfers, window_bytes=300)
+        return grads
+
+    graph = step.get_concrete_function().graph
+    waits = {}
+    for op in graph.get_operations():
+        if op.type == "MatMul" or op.type == "Mul":
+            waits[op.name] = sorted(c.name for c in op.control_inputs)
+    matmuls = sorted(n for n in waits if n.startswith("MatMul"))
+    # Transfers in the order 4 (the Mul), 3, 2, 1, 0; 256 B each in a window of 300 B: the
+    # gradient at each position waits for the transfer just before it.
+    assert waits["mul"] == []
+    assert [waits[m] for m in matmuls] == [["transfer_1"], ["transfer_2"], ["transfer_3"],
+                                           ["transfer_4"]]

@@ -145,7 +145,9 @@ class DataParallelStrategy(tf.distribute.MirroredStrategy):
         return plan_memory.MemoryConfig(
             "sharded" if self.shard else "data", self.num_replicas_in_sync, shard=self.shard,
             optimizer_slots=optimizer_slots,
-            reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3)
+            reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3,
+            gradient_window_bytes=self._tfpar_bucket_bytes
+            if sharded.paces_gradients(self) else 0)
 
     def _tfpar_before_model_call(self, model, args, kwargs):
         # Asked by the Keras seam before a model made under this strategy runs.

@@ -48,6 +48,7 @@ from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
 from tfpar.keras import internals
 from tfpar.keras import sharded as keras_sharded
+from tfpar.keras import steps
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import replica_id, replica_in_sync
 from tfpar.plan import sharding
@@ -376,12 +377,18 @@ class Accumulation:
         tf.cond(self.is_update_step, update, keep)
 
 
-def _apply_owned(optimizer, owned, learning_rate, accumulation):
-    """The optimizer's update of the replica's own variables, or their accumulation."""
+def _apply_owned(optimizer, owned, learning_rate, accumulation, in_turn):
+    """The optimizer's update of the replica's own variables, or their accumulation;
+    the updates one after another (`in_turn`, a `steps.InTurn`)."""
     if accumulation is not None:
         return accumulation.apply(optimizer, owned, learning_rate)
-    for _, grad, variable in owned:
+
+    def update(grad, variable):
         optimizer.update_step(grad, variable, learning_rate)
+        return variable.read_value()  # Ordered after the update (the same resource).
+
+    for _, grad, variable in owned:
+        in_turn(update, grad, variable)
 
 
 def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, collectives,
@@ -404,7 +411,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
         _update.running = True
         try:
             _apply_owned(optimizer, [(i, grads[i], variables[i]) for i in mine],
-                         learning_rate, accumulation)
+                         learning_rate, accumulation, steps.InTurn())
         finally:
             _update.running = False
         strategy._tfpar_step_shapes.gradient_bytes = sum(num_bytes(variables[i]) for i in mine)
@@ -415,6 +422,12 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     local = [strategy.experimental_local_results(v)[replica_id()]
              if isinstance(v, tf.distribute.DistributedValues) else v for v in variables]
     gradient_bytes = 0
+    # The step's updates run one after another, and so do its broadcasts of updated
+    # values: each holds temporaries (a receive, its buffer from when it starts) the size
+    # of its variable. On 24 x Dense(1024) over 2 workers, ZeRO-1 peaked 240 MiB above its
+    # state with neither in turn, 100 with both (the gradients alone: 90).
+    updates, broadcasts = steps.InTurn(), steps.InTurn()
+    transfers = []  # (variable index, its gradient's transfer), the last layers' first.
     for dtype in sorted({v.dtype for v in variables}, key=lambda d: d.name):
         index = [i for i, v in enumerate(variables) if v.dtype == dtype]
         # Each bucket is reduced, applied and gathered on its own, so that its collectives
@@ -425,14 +438,59 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                 members = [index[j] for j in bucket]
                 groups = _by_owner(members, [owner[i] for i in members],
                                    ctx.num_replicas_in_sync)
-                reduced, kept = _own_gradients(ctx, collectives, stage, grads, variables,
-                                               groups, ordinals)
+                reduced, kept, sent = _own_gradients(ctx, collectives, stage, grads,
+                                                     variables, groups, ordinals)
+                transfers += [(i, sent[i]) for i in members if i in sent]
                 gradient_bytes += kept
                 _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
-                             learning_rate, accumulation)
-                if stage < 3:
+                             learning_rate, accumulation, updates)
+                if stage < 3 and collectives.kind == "pairwise":
+                    _broadcast_updates(ctx, collectives, local, groups, ordinals, grads,
+                                       broadcasts)
+                elif stage < 3:
                     _gather_updates(ctx, collectives, local, groups, dtype)
+    _pace_gradients(grads, [(i, op, num_bytes(variables[i])) for i, op in transfers],
+                    bucket_bytes)
     strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
+
+
+def paces_gradients(strategy):
+    """Whether `strategy`'s backward pass waits for gradient transfers (`_pace_gradients`):
+    ZeRO stages 1-2 across workers on CPUs."""
+    collectives = getattr(strategy, "_tfpar_shard_collectives", None)
+    return (strategy._tfpar_shard_stage in (1, 2) and collectives is not None
+            and collectives.kind == "pairwise")
+
+
+# Ops that compute a weight's gradient from the layer's input and upstream gradient, and
+# whose output feeds nothing else in the backward pass.
+_WEIGHT_GRADIENT_OPS = frozenset({
+    "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2DBackpropFilter",
+    "Conv2DBackpropFilterV2", "Conv3DBackpropFilterV2"})
+
+
+def _pace_gradients(grads, transfers, window_bytes):
+    """Makes the backward pass wait for gradient transfers: each weight gradient is
+    computed only once the transfer of an earlier one (in `transfers`' order: (variable
+    index, the op that ends its transfer, bytes)) has ended, so that about `window_bytes`
+    of gradients are in flight. Across workers backpropagation outruns the transfers:
+    unpaced, every gradient of the step was alive at once (ZeRO-2 on 24 x Dense(2048) over
+    2 workers peaked at the full gradients, not its half, and gRPC held a copy of each in
+    flight). Only ops that compute a weight's gradient and nothing else wait (a gradient
+    clipped by the global norm, or summed over two reads, is left alone): what they wait
+    for cannot depend on them, so no step can deadlock."""
+    graph = tf.compat.v1.get_default_graph()
+    for position, (i, _, _) in enumerate(transfers):
+        grad = grads[i]
+        if (isinstance(grad, tf.IndexedSlices) or grad.op.type not in _WEIGHT_GRADIENT_OPS
+                or grad.op.graph is not graph):
+            continue
+        in_flight = 0
+        for earlier in range(position, -1, -1):
+            in_flight += transfers[earlier][2]
+            if in_flight > window_bytes and earlier < position:
+                internals.attr(grad.op, "_add_control_input")(transfers[earlier][1])
+                break
 
 
 # Instance keys per tag: a variable read (and its gradient sent) this many times in a step
@@ -459,10 +517,12 @@ def _runs(tensors):
 
 
 def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
-    """{variable index: summed gradient} for this replica's variables, and the bytes of
-    gradients the step keeps on the replica."""
+    """{variable index: summed gradient} for this replica's variables, the bytes of
+    gradients the step keeps on the replica, and {variable index: the op that ends its
+    gradient's transfer} where each is sent to its owner alone."""
     index = [i for g in groups for i in g]
     me = replica_in_sync()
+    sent = {}  # {variable index: the op that ends its gradient's transfer} ("pairwise")
     # Gradients are reduce-scattered where there is a reduce-scatter (NCCL), sent to their
     # owners one by one across workers on CPUs ("pairwise");
     # without one (CPUs of one host) they are all-reduced and each replica keeps its own:
@@ -483,9 +543,10 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
         # Each variable by its ordinal, which names its transfers on every worker.
         ordinal = {i: ordinals[i] for group in dense for i in group}
         owner_of = {ordinal[i]: owner for owner, group in enumerate(dense) for i in group}
-        mine = collectives.reduce_to_owners(
+        mine, done = collectives.reduce_to_owners(
             ctx, {ordinal[i]: grads[i] for i in ordinal}, owner_of)
         reduced.update({i: mine[ordinal[i]] for i in dense[me]})
+        sent = {i: done[ordinal[i]] for group in dense for i in group}
         kept += sum(num_bytes(variables[i]) for i in dense[me]) if stage > 1 else 0
     elif any(dense):
         length = _bucket_length([[variables[i] for i in g] for g in dense])
@@ -494,7 +555,7 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
         shard = collectives.reduce_scatter(ctx, flat)
         reduced.update(zip(dense[me], _unbucket(shard, [variables[i] for i in dense[me]])))
         kept += length * dtype.size if stage > 1 else 0
-    return reduced, kept
+    return reduced, kept, sent
 
 
 def _gather_updates(ctx, collectives, local, groups, dtype):
@@ -513,6 +574,41 @@ def _gather_updates(ctx, collectives, local, groups, dtype):
                            [local[i] for i in group])
         for i, value in zip(group, values):
             local[i].assign(value)
+
+
+def _broadcast_updates(ctx, collectives, local, groups, ordinals, grads, in_turn):
+    """Every replica's copy takes the values its owners just computed (stages 1-2, across
+    workers): one variable at a time (`in_turn`, a `steps.InTurn`, in the same order on
+    every replica), each broadcast from its owner straight into the copies. (An all-gather
+    of the bucket held it three times over: the owner's part, the gathered whole and its
+    slices; receives started together held all their buffers at once.)"""
+    me = replica_in_sync()
+
+    def send(i):
+        # A read of the updated variable: automatic control dependencies order it after
+        # the update (the same resource).
+        return collectives.broadcast(ctx, local[i].read_value(), None, None, ordinals[i])
+
+    def receive(i):
+        # The receive also waits for this replica's own gradient of the variable, so that
+        # none starts before the backward pass reaches its layer.
+        with tf.control_dependencies([_dependency(grads[i])]):
+            value = collectives.broadcast(ctx, None, local[i].shape, local[i].dtype,
+                                          ordinals[i])
+        return local[i].assign(value, read_value=False)
+
+    sends = []
+    for owner, group in enumerate(groups):
+        for i in group:
+            if owner == me:
+                sends.append(in_turn(send, i))
+            else:
+                in_turn(receive, i)
+    _runs(sends)
+
+
+def _dependency(value):
+    return value.values if isinstance(value, tf.IndexedSlices) else value
 
 
 class ShardCollectives:
@@ -595,24 +691,26 @@ class ShardCollectives:
 
     def reduce_to_owners(self, ctx, values, owners):
         """{key: the sum over the replicas of values[key]} for the keys this replica owns
-        (`owners[key]`; keys are the variables' ordinals), one variable at a time: each
-        other replica sends its value to the owner alone ("pairwise" across workers on
-        CPUs, where TensorFlow has no reduce-scatter). Per replica that moves what a
-        reduce-scatter would, (n-1)/n of the values, and nothing is flattened or padded. (A bucketed exchange, each pair
+        (`owners[key]`; keys are the variables' ordinals), and {key: the op that ends
+        that transfer here}, one variable at a time: each other replica sends its value
+        to the owner alone ("pairwise" across workers on CPUs, where TensorFlow has no
+        reduce-scatter). Per replica that moves what a reduce-scatter would, (n-1)/n of
+        the values, and nothing is flattened or padded. (A bucketed exchange, each pair
         sending both ways, hung across workers once there were more buckets than
         workers: BUILD_NOTES.)
         """
         me = replica_in_sync()
-        mine, sends = {}, []
+        mine, sends, done = {}, [], {}
         for key, value in values.items():
             summed = self.reduce_to_owner(ctx, value, owners[key], tf.zeros([0], value.dtype),
                                           key)
+            done[key] = summed.op
             if owners[key] == me:
                 mine[key] = summed
             else:
                 sends.append(summed)
         _runs(sends)
-        return mine
+        return mine, done
 
     def reduce_to_owner(self, ctx, value, owner, not_owner, tag):
         """The sum of `value` over the replicas on replica `owner`; `not_owner` on the

@@ -38,14 +38,26 @@ def call_model(model, x, training):
     return model(x)
 
 
+class InTurn:
+    """Runs calls one after another: each call's ops wait for what the previous call
+    returned (tensors or ops, e.g. a read of the variable it updated). Optimizer updates of
+    different variables are independent, so a step runs them all at once, each holding
+    temporaries the size of its variable: in turn, it holds one's. Likewise collective
+    receives, each of which holds its buffer from when it starts."""
+
+    def __init__(self):
+        self._done = []
+
+    def __call__(self, fn, *args):
+        with tf.control_dependencies(self._done):
+            result = fn(*args)
+        self._done = [t.op if tf.is_tensor(t) else t for t in tf.nest.flatten(result)
+                      if tf.is_tensor(t) or isinstance(t, tf.Operation)] or self._done
+        return result
+
+
 def one_after_another(items, update):
-    """Calls `update(item)` for each item in turn, each call's ops made to wait for what the
-    previous call returned (tensors or ops, e.g. a read of the variable it updated).
-    Optimizer updates of different variables are independent, so a step runs them all at
-    once, each holding temporaries the size of its variable: in turn, it holds one's."""
-    done = []
+    """Calls `update(item)` for each item in turn (`InTurn`)."""
+    in_turn = InTurn()
     for item in items:
-        with tf.control_dependencies(done):
-            result = update(item)
-        done = [t.op if tf.is_tensor(t) else t for t in tf.nest.flatten(result)
-                if tf.is_tensor(t) or isinstance(t, tf.Operation)]
+        in_turn(update, item)

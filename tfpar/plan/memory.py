@@ -107,7 +107,11 @@ class MemoryConfig:
     pass at its batch (per replica for data parallelism). `reshard_after_forward`
     (stage 3): a layer's gathered weights are freed after its forward pass and gathered
     again for its backward, so one variable is gathered at a time; False keeps every
-    gathered weight from the forward to the backward pass.
+    gathered weight from the forward to the backward pass. `gradient_window_bytes`
+    (stages 1-2 across workers on CPUs): each gradient goes to its owner as the backward
+    pass makes it, which waits once this many bytes are in flight, so a replica holds
+    about that and two of the largest variable's gradients instead of the stage's share
+    (0: the stage's share).
 
     >>> MemoryConfig("sharded", 8, shard="gradients").stage
     2
@@ -120,13 +124,14 @@ class MemoryConfig:
     dtype_bytes: int = 4
     activation_bytes: int = 0
     reshard_after_forward: bool = True
+    gradient_window_bytes: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}. "
                              f"Received: kind={self.kind!r}")
         for name, minimum in (("num_devices", 1), ("optimizer_slots", 0), ("dtype_bytes", 1),
-                              ("activation_bytes", 0)):
+                              ("activation_bytes", 0), ("gradient_window_bytes", 0)):
             object.__setattr__(self, name, _count(name, getattr(self, name), minimum))
         stage = sharding.check_shard(self.shard)
         if self.kind in _SPLIT_KINDS and stage:
@@ -219,6 +224,15 @@ def _gathered(variables, config, owned):
     return variables.largest if config.reshard_after_forward else variables.total - owned
 
 
+def _gradients(variables, config, owned):
+    """Gradient values a replica holds at once under data parallelism or ZeRO."""
+    share = variables.total if config.stage < 2 else owned
+    if not config.gradient_window_bytes or config.stage not in (1, 2):
+        return share
+    in_flight = -(-config.gradient_window_bytes // config.dtype_bytes) + 2 * variables.largest
+    return min(share, in_flight)
+
+
 def _estimate(variables, config):
     if config.kind in _SPLIT_KINDS:
         devices = [_device(config, p, p, p, a) for p, a in zip(
@@ -226,8 +240,8 @@ def _estimate(variables, config):
             _even(config.activation_bytes, config.num_devices))]
     else:
         full, stage = variables.total, config.stage
-        devices = [_device(config, full if stage < 3 else owned, full if stage < 2 else owned,
-                           full if stage < 1 else owned, config.activation_bytes,
+        devices = [_device(config, full if stage < 3 else owned,
+                           _gradients(variables, config, owned), full if stage < 1 else owned, config.activation_bytes,
                            _gathered(variables, config, owned))
                    for owned in variables.per_owner(config.num_devices)]
     return MemoryEstimate(config, variables.total, tuple(devices))
