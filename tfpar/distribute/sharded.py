@@ -32,7 +32,9 @@ owner's part is padded to the largest, so one reduce-scatter and one all-gather 
 GPUs they are NCCL collectives. On CPUs TensorFlow has no reduce-scatter: on one host the
 gradients are all-reduced and each replica keeps its own (measured in
 benchmarks/sharded.py); across workers each gradient is sent to its owner alone, one
-variable at a time (`ShardCollectives.reduce_to_owners`).
+variable at a time (`ShardCollectives.reduce_to_owners`), the backward pass waiting once
+about a bucket is in flight (`_pace_gradients`), and stages 1-2 broadcast each updated
+variable from its owner, one after another, instead of gathering buckets.
 """
 
 import collections
