@@ -481,6 +481,8 @@ def _pace_gradients(grads, transfers, window_bytes):
     flight). Only ops that compute a weight's gradient and nothing else wait (a gradient
     clipped by the global norm, or summed over two reads, is left alone): what they wait
     for cannot depend on them, so no step can deadlock."""
+    if not tf.inside_function():
+        return  # Eagerly each transfer ends before the next gradient is used.
     graph = tf.compat.v1.get_default_graph()
     for position, (i, _, _) in enumerate(transfers):
         grad = grads[i]
@@ -706,7 +708,7 @@ class ShardCollectives:
         for key, value in values.items():
             summed = self.reduce_to_owner(ctx, value, owners[key], tf.zeros([0], value.dtype),
                                           key)
-            done[key] = summed.op
+            done[key] = summed.op if tf.inside_function() else None  # (Eager: done.)
             if owners[key] == me:
                 mine[key] = summed
             else:

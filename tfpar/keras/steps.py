@@ -49,6 +49,8 @@ class InTurn:
         self._done = []
 
     def __call__(self, fn, *args):
+        if not tf.inside_function():
+            return fn(*args)  # Eagerly each call has ended before the next begins.
         with tf.control_dependencies(self._done):
             result = fn(*args)
         self._done = [t.op if tf.is_tensor(t) else t for t in tf.nest.flatten(result)
