@@ -74,10 +74,11 @@ def _peak_of(command):
     return usage.ru_maxrss * 1024
 
 
-def _resident_peaks(output):
-    """The resident peaks (bytes) each process of the example printed."""
+def _printed_peaks(output, what="resident"):
+    """The `what` ("resident" or "allocator") peaks (bytes) each process of the example
+    printed."""
     return [float(m) * 2**20
-            for m in re.findall(r"resident [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
+            for m in re.findall(what + r" [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
 
 
 def _launch(cap, strategy, *args, coordinator=False):
@@ -129,7 +130,7 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
             peaks[strategy, phase] = line[1] if line else None
             assert "killed" not in (line[1] if line else ""), line[1]
             if not capped:  # The peaks each process measured itself, against the cap.
-                rss = _resident_peaks(output)
+                rss = _printed_peaks(output)
                 assert rss and max(rss) < cap, (strategy, phase, rss, cap)
     print(peaks)
 
@@ -140,7 +141,7 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
         assert re.search(r"worker:\d exited with code -9 \(killed by the kernel: over its "
                          r"--memory_cap", output), output[-3000:]
     else:
-        rss = _resident_peaks(output)
+        rss = _printed_peaks(output)
         assert code == 0 and max(rss) > cap, (rss, cap)
 
     # Every checkpoint loads in plain Keras and equals one process's weights (which the 2
@@ -151,12 +152,6 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
             worst = _difference(f"{one}-{phase}.weights.h5",
                                 str(tmp_path / f"{strategy}-{phase}.weights.h5"))
             assert worst < 1e-5, (strategy, phase, worst)
-
-
-def _allocator_peaks(output):
-    """The allocator peaks (bytes) each process of the example printed."""
-    return [float(m) * 2**20
-            for m in re.findall(r"allocator [\d.]+ MiB \(peak ([\d.]+) MiB\)", output)]
 
 
 @pytest.mark.parametrize("strategy,shard", [("zero1", "optimizer"), ("zero2", "gradients")])
@@ -183,7 +178,7 @@ def test_zero1_and_zero2_across_workers_peak_within_15_percent_of_the_plan(strat
                "--", sys.executable, EXAMPLE, f"--strategy={strategy}"]
     code, output = _run(command)
     assert code == 0, output[-3000:]
-    peaks = _allocator_peaks(output)
+    peaks = _printed_peaks(output, "allocator")
     assert len(peaks) == 2, output[-3000:]
     for peak, want in zip(sorted(peaks), sorted(planned)):
         assert abs(peak / want - 1) <= 0.15, (strategy, peaks, planned)

@@ -504,11 +504,11 @@ def test_weight_gradients_wait_for_earlier_transfers_within_a_window():
     # Transfers in the order 4 (the Mul), 3, 2, 1, 0; 256 B each in a window of 300 B: the
     # gradient at each position waits for the transfer just before it.
     assert waits["mul"] == []
+    assert [waits[m] for m in matmuls] == [["transfer_1"], ["transfer_2"], ["transfer_3"],
+                                           ["transfer_4"]]
     # Eagerly (run_eagerly=True) each transfer has ended before the next gradient is used:
     # nothing to pace, and eager tensors have no ops.
     sharded._pace_gradients([tf.ones([2, 2])] * 2, [(1, None, 16), (0, None, 16)], 8)
     from tfpar.keras import steps
     in_turn = steps.InTurn()
     assert [float(in_turn(tf.reduce_sum, tf.ones([k]))) for k in (2, 3)] == [2.0, 3.0]
-    assert [waits[m] for m in matmuls] == [["transfer_1"], ["transfer_2"], ["transfer_3"],
-                                           ["transfer_4"]]

@@ -381,7 +381,7 @@ class Accumulation:
 
 def _apply_owned(optimizer, owned, learning_rate, accumulation, in_turn):
     """The optimizer's update of the replica's own variables, or their accumulation;
-    the updates one after another (`in_turn`, a `steps.InTurn`)."""
+    each update made through `in_turn` (a `steps.InTurn`, or `steps.at_once`)."""
     if accumulation is not None:
         return accumulation.apply(optimizer, owned, learning_rate)
 
@@ -424,11 +424,14 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     local = [strategy.experimental_local_results(v)[replica_id()]
              if isinstance(v, tf.distribute.DistributedValues) else v for v in variables]
     gradient_bytes = 0
-    # The step's updates run one after another, and so do its broadcasts of updated
-    # values: each holds temporaries (a receive, its buffer from when it starts) the size
-    # of its variable. On 24 x Dense(1024) over 2 workers, ZeRO-1 peaked 240 MiB above its
-    # state with neither in turn, 100 with both (the gradients alone: 90).
-    updates, broadcasts = steps.InTurn(), steps.InTurn()
+    # Across workers the step's updates run one after another, and so do its broadcasts of
+    # updated values: each holds temporaries (a receive, its buffer from when it starts)
+    # the size of its variable. On 24 x Dense(1024) over 2 workers, ZeRO-1 peaked 240 MiB
+    # above its state with neither in turn, 100 with both (the gradients alone: 90). (On
+    # one host, not measured, the updates run at once as before.)
+    across_workers = collectives.kind == "pairwise"
+    updates = steps.InTurn() if across_workers else steps.at_once
+    broadcasts = steps.InTurn()
     transfers = []  # (variable index, its gradient's transfer), the last layers' first.
     for dtype in sorted({v.dtype for v in variables}, key=lambda d: d.name):
         index = [i for i, v in enumerate(variables) if v.dtype == dtype]
@@ -446,7 +449,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                 gradient_bytes += kept
                 _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
                              learning_rate, accumulation, updates)
-                if stage < 3 and collectives.kind == "pairwise":
+                if stage < 3 and across_workers:
                     _broadcast_updates(ctx, collectives, local, groups, ordinals, grads,
                                        broadcasts)
                 elif stage < 3:

@@ -58,6 +58,11 @@ class InTurn:
         return result
 
 
+def at_once(fn, *args):
+    """Calls `fn(*args)`, its ops in no imposed order (where `InTurn` is not used)."""
+    return fn(*args)
+
+
 def one_after_another(items, update):
     """Calls `update(item)` for each item in turn (`InTurn`)."""
     in_turn = InTurn()
