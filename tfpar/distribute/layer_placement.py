@@ -51,6 +51,9 @@ class PlacingStrategy:
     # Read by the Keras seam: optimizer updates one variable after another, so that a
     # device holds one update's temporaries at a time (`tfpar.keras.replicas`).
     _tfpar_updates_in_turn = True
+    # Read by the Keras seam: a replica's gradients live on its layers' devices; the
+    # optimizer's sum over replicas leaves each where it is (`tfpar.keras.replicas`).
+    _tfpar_replica_spans_devices = True
 
     # Called by the Keras seam before every call of a model created under this scope.
     def _tfpar_before_model_call(self, model, args, kwargs):

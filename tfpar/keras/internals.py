@@ -122,6 +122,7 @@ ATTRIBUTES = {
     "_clip_gradients": "keras.optimizers.Optimizer",
     "_iterations": "keras.optimizers.Optimizer",
     "_distributed_tf_update_step": "TFOptimizer",
+    "_all_reduce_sum_gradients": "TFOptimizer",
     "_distribution_strategy": "TFOptimizer (the strategy it was made under)",
     "_use_weight_decay": "keras.optimizers.Optimizer",
     "_loss_tracker": "keras.Model (compiled)",

@@ -354,6 +354,42 @@ def _accumulation_outside_cond(keras_apply):
     return apply
 
 
+def _reduced_where_they_are(keras_all_reduce):
+    """TFOptimizer._all_reduce_sum_gradients under a strategy whose replica spans devices
+    (`_tfpar_replica_spans_devices`: pipelines, model parallelism). `ReplicaContext.all_reduce`
+    wraps its merge_call in `tf.custom_gradient`, whose IdentityN over every gradient runs
+    on the replica's device: every other device's gradients were copied there. Measured:
+    stage 0 of a 2-process pipeline of 24 2048 x 2048 layers also held stage 1's
+    gradients, 192 MiB above its plan. Nothing differentiates this sum, so it is the
+    merge_call alone; each gradient is reduced to where it is."""
+
+    @functools.wraps(keras_all_reduce)
+    def all_reduce_sum(self, grads_and_vars):
+        context = _replica_context("_tfpar_replica_spans_devices", min_replicas=1)
+        if context is None or not tf.inside_function():
+            return keras_all_reduce(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+        if not present:
+            return keras_all_reduce(self, grads_and_vars)
+        if context.num_replicas_in_sync == 1:
+            return grads_and_vars  # A sum over one replica.
+
+        def reduce(strategy, *grads):
+            return strategy.extended.batch_reduce_to(
+                tf.distribute.ReduceOp.SUM,
+                [(g, g if isinstance(g, tf.distribute.DistributedValues) else g.device)
+                 for g in grads])
+
+        reduced = context.merge_call(
+            reduce, args=tuple(grads_and_vars[i][0] for i in present))
+        for i, grad in zip(present, reduced):
+            grads_and_vars[i] = (grad, grads_and_vars[i][1])
+        return grads_and_vars
+
+    return all_reduce_sum
+
+
 def _updates_in_turn(keras_update_step):
     """TFOptimizer._distributed_tf_update_step under a strategy that asks for it
     (`_tfpar_updates_in_turn`: data parallelism across workers, pipelines, model
@@ -494,4 +530,5 @@ def patches():
         (keras.layers.Layer, "_clear_losses", _clear_losses_per_replica),
         (optimizer, "_backend_apply_gradients", _accumulation_outside_cond),
         (optimizer, "_distributed_tf_update_step", _updates_in_turn),
+        (optimizer, "_all_reduce_sum_gradients", _reduced_where_they_are),
     ]
