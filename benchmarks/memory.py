@@ -43,11 +43,17 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from tfpar.cluster import memory_cgroup  # noqa: E402
 
-CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2")
+CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2", "remat2", "offload2")
 SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 # Each configuration's --strategy of examples/bigger_than_one_worker.py.
 EXAMPLE_STRATEGY = {"one": "one", "data2": "data", "zero1": "zero1", "zero2": "zero2",
-                    "zero3": "zero3", "pipeline2": "pipeline"}
+                    "zero3": "zero3", "pipeline2": "pipeline", "remat2": "pipeline",
+                    "offload2": "pipeline"}
+# A pipeline's 2 stages on 2 tfpar.server workers, its chief beside them.
+PIPELINES = ("pipeline2", "remat2", "offload2")
+# remat2 / offload2: a pipeline with remat, its stage inputs kept on the stage worker or
+# offloaded to the chief, on a model whose kept activations dominate (--offload_shape).
+OFFLOADING = ("remat2", "offload2")
 BATCH = 16  # The example's.
 STEPS = 2
 
@@ -62,15 +68,35 @@ def variable_sizes(width, layers, classes=10):
     return sizes + [width * classes, classes]
 
 
-def planned_bytes(config, width, layers, base):
+def shape(config, args):
+    """(width, layers, global batch, micro-batches) of `config`'s model and step."""
+    if config in OFFLOADING:
+        return tuple(int(v) for v in args.offload_shape.split(","))
+    return args.width, args.layers, BATCH, 4
+
+
+def _remat_activations(config, width, layers, batch, micro_batches):
+    """What the 2 stages of a GPipe step with remat keep, fp32 (the plan's activation
+    bytes per model copy, which it splits over the stages): each stage's input for every
+    micro-batch until its backward (on the chief when offloaded), and one micro-batch's
+    recomputed layer outputs (matmul and tanh) during a backward."""
+    kept = 0 if config == "offload2" else 4 * batch * width
+    rerun = 4 * (batch // micro_batches) * width * 2 * (layers // 2)
+    return 2 * (kept + rerun)
+
+
+def planned_bytes(config, args, base):
     """Per process: [(task, planned bytes)] = base + the plan's per-device peak (SGD with
     momentum: one slot). The chief of a pipeline holds no stage: base only."""
     from tfpar.plan import memory as plan
     from tfpar.plan import sharding
 
+    width, layers, batch, micro_batches = shape(config, args)
     sizes = variable_sizes(width, layers)
     # Kept for the backward pass: each layer's input and output, fp32, per example.
-    activations = 4 * BATCH * (2 * width * layers + width)
+    activations = 4 * batch * (2 * width * layers + width)
+    if config in OFFLOADING:
+        activations = _remat_activations(config, width, layers, batch, micro_batches)
     if config == "one":
         cfg = plan.MemoryConfig("data", 1, optimizer_slots=1, activation_bytes=activations)
     elif config == "data2":
@@ -85,7 +111,7 @@ def planned_bytes(config, width, layers, base):
         cfg = plan.MemoryConfig("pipeline", 2, optimizer_slots=1, activation_bytes=activations)
     devices = plan.estimate_memory(sizes, cfg).devices
     tasks = _tasks(config)
-    if config == "pipeline2":
+    if config in PIPELINES:
         return {"chief-0": base, **{t: base + d.total for t, d in zip(tasks[1:], devices)}}
     return {t: base + d.total for t, d in zip(tasks, devices)}
 
@@ -93,7 +119,7 @@ def planned_bytes(config, width, layers, base):
 def _tasks(config):
     if config == "one":
         return ["single-0"]
-    if config == "pipeline2":
+    if config in PIPELINES:
         return ["chief-0", "worker-0", "worker-1"]
     return ["worker-0", "worker-1"]
 
@@ -120,11 +146,14 @@ def run_task(args):
     if args.config != "base":
         # The example's model, data and strategies: what its users run is what is measured.
         example = _example()
-        strategy = example.make_strategy(EXAMPLE_STRATEGY[args.config])
-        x, y = example.make_data(args.width, 0, STEPS)
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        width, layers, batch, micro_batches = shape(args.config, args)
+        strategy = example.make_strategy(
+            EXAMPLE_STRATEGY[args.config], micro_batches, remat=args.config in OFFLOADING,
+            offload="chief" if args.config == "offload2" else "none")
+        x, y = example.make_data(width, 0, STEPS, batch)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
         with strategy.scope():
-            model = example.make_model(args.width, args.layers)
+            model = example.make_model(width, layers)
         built = tfpar.process_memory()
         result.update(built_allocator=built.allocator_bytes,
                       build_allocator_peak=built.allocator_peak_bytes,
@@ -171,7 +200,7 @@ def _tf_configs(config):
         return {"single-0": None}
     ports = _free_ports(3)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports[:2]]}
-    if config == "pipeline2":
+    if config in PIPELINES:
         cluster["chief"] = [f"127.0.0.1:{ports[2]}"]
     return {t: json.dumps({"cluster": cluster, "task": {"type": t.split("-")[0],
                                                          "index": int(t.split("-")[1])}})
@@ -189,11 +218,11 @@ def run_config(config, args, limit, workdir):
         if tf_config:
             env["TF_CONFIG"] = tf_config
         result = os.path.join(workdir, f"{config}-{task}.json")
-        serving = config == "pipeline2" and task.startswith("worker")
+        serving = config in PIPELINES and task.startswith("worker")
         command = ([sys.executable, "-m", "tfpar.server"] if serving else
                    [sys.executable, os.path.abspath(__file__), "--role=task",
                     f"--config={config}", f"--result={result}", f"--width={args.width}",
-                    f"--layers={args.layers}"])
+                    f"--layers={args.layers}", f"--offload_shape={args.offload_shape}"])
         log = open(os.path.join(workdir, f"{config}-{task}.log"), "w")
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, preexec_fn=group.join,
@@ -267,6 +296,8 @@ def main(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--offload_shape", default="1024,4,16384,16",
+                        help="remat2 and offload2: width,layers,global batch,micro-batches")
     parser.add_argument("--cap", default=None,
                         help="per-process cap: bytes, or a fraction f of one process's need "
                              "beyond the base (base + f x (one - base))")
@@ -285,6 +316,10 @@ def main(argv=None):
     print(f"memory cgroups: {where}"
           f"; model {args.layers} x Dense({args.width}) + head, "
           f"{sum(variable_sizes(args.width, args.layers)):,} parameters", flush=True)
+    if set(configs) & set(OFFLOADING):
+        width, layers, batch, micro = shape("remat2", args)
+        print(f"remat2, offload2: {layers} x Dense({width}) + head, global batch {batch} in "
+              f"{micro} micro-batches", flush=True)
     with tempfile.TemporaryDirectory() as workdir:
         # The base in both counts: resident (shared libraries included) and the cgroup's
         # (pages this process brought in; libraries already cached are charged elsewhere).
@@ -309,13 +344,16 @@ def main(argv=None):
             figures = run_config(config, args, limit, workdir)
             for kind in ("rss", "cgroup"):
                 if base[kind] is not None:
-                    plan = planned_bytes(config, args.width, args.layers, base[kind])
+                    plan = planned_bytes(config, args, base[kind])
                     for task, f in figures.items():
                         f[f"planned_{kind}"] = plan.get(task)
             results[config] = figures
             _print(config, figures)
-    reference = results.get("one", {}).get("single-0", {}).get("weight_sums")
     for config, figures in results.items():
+        # Offloading against remat alone (same model); the rest against one process.
+        reference = next((f.get("weight_sums") for f in results.get(
+            "remat2" if config == "offload2" else "one", {}).values()
+            if f.get("weight_sums")), None) if config != "remat2" else None
         for f in figures.values():
             if reference and f.get("weight_sums"):
                 f["max_relative_weight_difference"] = max(

@@ -35,11 +35,20 @@ flags.DEFINE_enum("strategy", "zero3", STRATEGIES,
 flags.DEFINE_integer("width", 2048, "Units of each hidden layer (and inputs).")
 flags.DEFINE_integer("layers", 24, "Hidden layers.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches of a pipeline step.")
-flags.DEFINE_integer("steps", 2, "Steps of batch 16 to train.")
+flags.DEFINE_bool("remat", False, "Pipeline: recompute each stage's activations in its "
+                  "backward, keeping only each micro-batch's stage input.")
+flags.DEFINE_enum("offload_activations", "none", ["none", "chief"],
+                  "Pipeline with --remat: keep those inputs in the chief's memory instead "
+                  "of the stage worker's (tfpar.PipelineStrategy(offload_activations=...)).")
+flags.DEFINE_integer("batch", 16, "Global batch.")
+flags.DEFINE_integer("steps", 2, "Steps to train.")
 flags.DEFINE_integer("first_step", 0, "The data starts at this step's batch (a resumed run "
                                       "goes on where the first one stopped).")
 flags.DEFINE_string("load", None, "Weights to start from (a Keras .weights.h5 file).")
-flags.DEFINE_string("save", None, "Where to save the weights after training.")
+flags.DEFINE_string("save", None, "Where to save after training: a .weights.h5 file "
+                    "(model.save_weights) or a .keras file (model.save).")
+flags.DEFINE_string("checkpoint", None, "A keras.callbacks.ModelCheckpoint path (.keras or "
+                    ".weights.h5), written after each epoch.")
 flags.DEFINE_string("report", None, "Directory for this process's figures (JSON).")
 FLAGS = flags.FLAGS
 
@@ -47,14 +56,18 @@ BATCH = 16
 SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 
 
-def make_strategy(name, micro_batches=4):
+CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
+
+
+def make_strategy(name, micro_batches=4, remat=False, offload="none"):
     import tensorflow as tf
 
     if name == "one":
         return tf.distribute.get_strategy()
     if name == "pipeline":
         return tfpar.PipelineStrategy(
-            num_micro_batches=micro_batches,
+            num_micro_batches=micro_batches, remat=remat,
+            offload_activations=CHIEF_CPU if offload == "chief" else False,
             cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
     return tfpar.DataParallelStrategy(shard=SHARDS.get(name), timeout_seconds=600)
 
@@ -72,27 +85,32 @@ def make_model(width, layers):
     return model
 
 
-def make_data(width, first_step, steps):
+def make_data(width, first_step, steps, batch=BATCH):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=((first_step + steps) * BATCH, width)).astype("float32")
+    x = rng.normal(size=((first_step + steps) * batch, width)).astype("float32")
     y = (np.arange(len(x)) % 10).astype("int32")
-    return x[first_step * BATCH:], y[first_step * BATCH:]
+    return x[first_step * batch:], y[first_step * batch:]
 
 
 def main(_):
+    import keras
     import tensorflow as tf
 
-    strategy = make_strategy(FLAGS.strategy, FLAGS.micro_batches)
-    x, y = make_data(FLAGS.width, FLAGS.first_step, FLAGS.steps)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    strategy = make_strategy(FLAGS.strategy, FLAGS.micro_batches, FLAGS.remat,
+                             FLAGS.offload_activations)
+    x, y = make_data(FLAGS.width, FLAGS.first_step, FLAGS.steps, FLAGS.batch)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.batch)
     with strategy.scope():
         model = make_model(FLAGS.width, FLAGS.layers)
     if FLAGS.load:
         model.load_weights(FLAGS.load)
     tfpar.reset_memory_peaks()
-    model.fit(dataset, epochs=1, verbose=0)
+    callbacks = ([keras.callbacks.ModelCheckpoint(
+        FLAGS.checkpoint, save_weights_only=FLAGS.checkpoint.endswith(".weights.h5"))]
+        if FLAGS.checkpoint else [])
+    model.fit(dataset, epochs=1, verbose=0, callbacks=callbacks)
     trained = tfpar.process_memory()
     config = parse_tf_config(os.environ.get("TF_CONFIG"))  # None without a cluster.
     task = config.task_name.replace(":", "-") if config and config.task_type else "single-0"
@@ -100,9 +118,11 @@ def main(_):
         # Every worker saves together under sharding (each variable is fetched from its
         # owner); only the chief's file is kept.
         chief = config is None or config.task_type is None or config.is_chief
-        model.save_weights(FLAGS.save if chief else f"{FLAGS.save}.{task}.weights.h5")
+        suffix = ".keras" if FLAGS.save.endswith(".keras") else ".weights.h5"
+        path = FLAGS.save if chief else f"{FLAGS.save}.{task}{suffix}"
+        model.save(path) if suffix == ".keras" else model.save_weights(path)
         if not chief:
-            os.remove(f"{FLAGS.save}.{task}.weights.h5")
+            os.remove(path)
     print(f"{task}: {model.count_params():,} parameters, trained {FLAGS.steps} steps with "
           f"{FLAGS.strategy}; {trained.format()}", flush=True)
     if FLAGS.report:

@@ -50,3 +50,16 @@ def test_resolve_devices_canonical():
 def test_bad_device_lists(devices, message):
     with pytest.raises(DeviceError, match=message):
         resolve_devices(devices)
+
+
+@pytest.mark.parametrize("device, host", [
+    ("/job:worker/replica:0/task:1/device:GPU:3", "/job:worker/replica:0/task:1/device:CPU:0"),
+    ("/gpu:0", "/job:localhost/replica:0/task:0/device:CPU:0"),
+    ("/cpu:2", "/job:localhost/replica:0/task:0/device:CPU:0"),
+])
+def test_the_host_of_a_device_is_its_tasks_cpu(device, host):
+    """Where PipelineStrategy(offload_activations=True) keeps a stage's inputs."""
+    from tfpar.devices import host_of
+    assert host_of(device) == host
+    strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], remat=True, offload_activations=True)
+    assert strategy._offload_devices([device]) == [host]

@@ -50,7 +50,8 @@ def _objects():
                      mirrored._values[0].handle, strategy.extended,
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
                      keras.layers.BatchNormalization(),
-                     keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op]
+                     keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
+                     internals.symbol("keras.src.saving.saving_lib")]
     return model_objects
 
 

@@ -176,3 +176,34 @@ def test_fit_on_distributed_dataset_from_function(strategy):
     history = model.fit(dataset, epochs=2, steps_per_epoch=4, verbose=0)
     assert len(history.history["loss"]) == 2
     assert model.optimizer.iterations.numpy() == 8  # 64 examples / global batch 16, twice
+
+
+def test_a_tfpar_models_keras_file_writes_its_weights_through_a_file(tmp_path, monkeypatch):
+    """Keras builds a .keras file's weights in memory when psutil reports room for them
+    (it does not see a memory cgroup's limit: the capped ZeRO-3 workers were killed).
+    Under a tfpar strategy they go through a temporary file; stock models keep Keras' way."""
+    import io
+
+    import h5py
+
+    opened = []
+    h5_file = h5py.File
+
+    def spy(name, *args, **kwargs):
+        opened.append(name)
+        return h5_file(name, *args, **kwargs)
+
+    monkeypatch.setattr(h5py, "File", spy)
+    strategy = tfpar.DataParallelStrategy(cpus(2))
+    with strategy.scope():
+        model = small_model()
+        model.compile("sgd", "mse")
+    plain = small_model()
+    model.save(tmp_path / "tfpar.keras")
+    through_files = [not isinstance(name, io.BytesIO) for name in opened]
+    opened.clear()
+    plain.save(tmp_path / "plain.keras")
+    assert through_files == [True] and [not isinstance(n, io.BytesIO) for n in opened] == [False]
+    loaded = keras.models.load_model(tmp_path / "tfpar.keras")
+    for got, want in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)

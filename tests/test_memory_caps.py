@@ -121,9 +121,11 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
     peaks = {}
     for strategy, coordinator in (("zero3", False), ("pipeline", True)):
         saved = str(tmp_path / strategy)
+        # Saved by save_weights, then by model.save and a ModelCheckpoint.
         for phase, args in ((1, [f"--save={saved}-1.weights.h5"]),
                             (2, [f"--load={saved}-1.weights.h5", "--first_step=2",
-                                 f"--save={saved}-2.weights.h5"])):
+                                 f"--save={saved}-2.keras",
+                                 f"--checkpoint={saved}-2-checkpoint.keras"])):
             code, output = _launch(cap, strategy, *args, coordinator=coordinator)
             assert code == 0, f"{strategy}, run {phase}:\n{output[-4000:]}"
             line = re.search(r"memory peaks under --memory_cap=\S+ GiB: (.*)", output)
@@ -147,11 +149,11 @@ def test_zero3_and_a_pipeline_train_save_and_resume_under_a_cap_that_kills_data_
     # Every checkpoint loads in plain Keras and equals one process's weights (which the 2
     # steps of the second run changed: the comparison can tell).
     assert _difference(f"{one}-1.weights.h5", f"{one}-2.weights.h5") > 1e-4
-    for phase in (1, 2):
+    for saved in ("1.weights.h5", "2.keras", "2-checkpoint.keras"):
         for strategy in ("zero3", "pipeline"):
-            worst = _difference(f"{one}-{phase}.weights.h5",
-                                str(tmp_path / f"{strategy}-{phase}.weights.h5"))
-            assert worst < 1e-5, (strategy, phase, worst)
+            worst = _difference(f"{one}-{saved[0]}.weights.h5",
+                                str(tmp_path / f"{strategy}-{saved}"))
+            assert worst < 1e-5, (strategy, saved, worst)
 
 
 @pytest.mark.parametrize("strategy,shard", [("zero1", "optimizer"), ("zero2", "gradients")])

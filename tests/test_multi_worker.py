@@ -314,6 +314,29 @@ SHARDED_WORKER = os.path.join(HERE, "workers", "sharded.py")
 OPTIMIZERS = ("sgd_momentum", "adam")
 
 
+def _resumes_under_other_strategies(path, shard, optimizer, one_device):
+    """Resharding on load: the 2-worker checkpoint, loaded under another ZeRO stage on 4
+    replicas of this process and into a 2-stage pipeline, trains one more epoch as one
+    device does from it (weights and optimizer state both restored)."""
+    import tfpar
+
+    x, y = common.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    one_device.fit(dataset, epochs=1, verbose=0)
+    other = {"optimizer": "parameters", "gradients": "optimizer", "parameters": "gradients"}
+    for strategy in (tfpar.DataParallelStrategy([f"/cpu:{i}" for i in range(4)],
+                                                shard=other[shard]),
+                     tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], num_micro_batches=2)):
+        with strategy.scope():
+            model = common.model()
+            model.compile(common.optimizer(optimizer), common.loss())
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(path)
+        model.fit(dataset, epochs=1, verbose=0)
+        for got, expected in zip(model.get_weights(), one_device.get_weights()):
+            np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=repr(strategy))
+
+
 def _one_process_run(optimizer):
     """Weights after 2 epochs, the optimizer state then, and weights after a third."""
     x, y = common.data()
@@ -338,6 +361,8 @@ def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_p
     (and under stage 3 the weights) split between them, weights equal to one process, a
     checkpoint holding the full state, a resume from the backup, then evaluate and
     predict as one process."""
+    import keras
+
     # Buckets of 64 bytes: both kernels are larger than a bucket, and
     # there are 4 buckets for 2 workers (ZeRO-1 and -2 used to hang there).
     sizes = [w.nbytes for w in common.model().get_weights()]
@@ -380,3 +405,15 @@ def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_p
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=run)
         for got, expected in zip(one_device.optimizer.variables, state):
             np.testing.assert_allclose(got.numpy(), expected, atol=1e-5, err_msg=run)
+        # model.save and ModelCheckpoint (the chief's files; the others wrote elsewhere)
+        # load without any strategy: the weights and the state after 2 epochs.
+        for saved in (f"{run}.keras", f"{run}-2.keras"):
+            loaded = keras.models.load_model(tmp_path / saved)
+            for got, expected in zip(loaded.get_weights() + [
+                    v.numpy() for v in loaded.optimizer.variables], want + state):
+                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=saved)
+        assert sorted(p.name for p in tmp_path.glob(f"{run}-*.keras")) == [
+            f"{run}-{epoch}.keras" for epoch in (1, 2, 3)]
+        if optimizer == OPTIMIZERS[-1]:
+            _resumes_under_other_strategies(tmp_path / f"{run}.weights.h5", shard, optimizer,
+                                            one_device)

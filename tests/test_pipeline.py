@@ -779,3 +779,39 @@ def test_2bw_applies_each_gradient_to_the_next_weights_as_its_reference_does(rep
     drift = max(np.abs(a - b).max() for a, b in zip(model.get_weights(),
                                                      synchronous.get_weights()))
     assert drift > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_offloaded_activations_wait_off_the_stage_device_and_train_as_unsplit(
+        schedule, data, reference_steps):
+    """With remat, each stage's micro-batch inputs wait for their backward on the offload
+    device: the backward reads no data the forward left on a stage device (it waits for
+    the forward's last op, its control input, which keeps nothing)."""
+    x, y = data
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule=schedule,
+                                      remat=True, offload_activations="/cpu:2")
+    model = pipelined(strategy)
+    model.fit(x[:3 * BATCH], y[:3 * BATCH], batch_size=BATCH, shuffle=False, verbose=0)
+    assert_weights_equal(model.get_weights(), reference_steps[-1])
+
+    actions, _ = _traced_step(model)
+    by_name = {n.name: (action, n) for action, members in actions.items() for n in members}
+    read_by_backward = {device_index(by_name[parent][1].device)
+                        for action, members in actions.items() if "B" in action
+                        for node in members for inp in node.input if not inp.startswith("^")
+                        for parent in [inp.split(":")[0]]
+                        if parent in by_name and "F" in by_name[parent][0]}
+    assert read_by_backward == {2}
+    kept, fetched = ([n for action, members in actions.items() if kind in action
+                      for n in members if device_index(n.device) == 2 and n.op == "Identity"]
+                     for kind in "FB")
+    assert len(kept) == len(fetched) == 2 * 4  # Each stage's input of each micro-batch,
+    # sent back only when its backward starts (a receive takes what is sent at once).
+    assert all(any(i.startswith("^") for i in n.input) for n in fetched)
+
+
+def test_offloading_without_remat_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="needs remat=True"):
+        tfpar.PipelineStrategy(cpus(2), offload_activations=True)
+    with pytest.raises(ValueError, match="offload_activations must be"):
+        tfpar.PipelineStrategy(cpus(2), remat=True, offload_activations=2)

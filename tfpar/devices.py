@@ -82,6 +82,13 @@ def task_of(device):
     return f"/job:{spec.job}/replica:{spec.replica}/task:{spec.task}"
 
 
+def host_of(device):
+    """The CPU of `device`'s task ('/job:worker/replica:0/task:1/device:CPU:0' for that
+    task's GPU:0): where the host memory next to a device is. A CPU's host is its task's
+    CPU:0."""
+    return f"{task_of(device)}/device:CPU:0"
+
+
 def spare_cpu(devices):
     """The first logical CPU of this process that is none of `devices`, canonical; None if
     `devices` take them all."""

@@ -1,7 +1,7 @@
-"""Loads two `.weights.h5` files of the memory test's MLP in plain Keras (no tfpar in this
-process) and prints the largest difference between their weights, as JSON.
+"""Loads two checkpoints (`.weights.h5` or `.keras`) of the memory test's MLP in plain Keras
+(no tfpar in this process) and prints the largest difference between their weights, as JSON.
 
-    python plain_keras_weights.py WIDTH LAYERS A.weights.h5 B.weights.h5
+    python plain_keras_weights.py WIDTH LAYERS A.weights.h5 B.keras
 """
 
 import json

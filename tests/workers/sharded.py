@@ -2,9 +2,11 @@
 
 (One multi-worker strategy per process: TensorFlow configures collectives once; each
 optimizer of `--optimizers` trains a model of its own under it, in turn.)
-For each optimizer: fit 2 epochs with a BackupAndRestore kept on disk, save the weights
-(the chief to <out>, the others to a temporary path, as every worker must save
-sharded state together), then resume a fresh model from the backup for a third epoch.
+For each optimizer: fit 2 epochs with a BackupAndRestore kept on disk and a ModelCheckpoint
+of each epoch (<out>/<shard>-<optimizer>-<epoch>.keras), save the weights and the model
+(`save_weights`, `model.save`: the chief to <out>, the others to a temporary path, as every
+worker must save sharded state together), then resume a fresh model from the backup for a
+third epoch.
 Writes <out>/<task>-<shard>-<optimizer>.npz (weights after 2 and 3 epochs, then the
 resumed model's predictions) and .json (bytes held, the resumed model's evaluated loss).
 """
@@ -42,15 +44,17 @@ def main(out, backups, shard, optimizers, bytes_per_pack):
                 model = common.model()
                 model.compile(common.optimizer(optimizer), common.loss())
             model.fit(dataset, epochs=epochs, verbose=0, callbacks=[
-                keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False)])
+                keras.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False),
+                keras.callbacks.ModelCheckpoint(
+                    os.path.join(out, f"{shard}-{optimizer}-{{epoch}}.keras"))])
             return model
 
         model = fit(2)
         report = strategy.memory_report(model)
         chief = strategy.cluster_resolver.task_id == 0
-        path = (os.path.join(out, f"{shard}-{optimizer}.weights.h5") if chief
-                else os.path.join(tempfile.mkdtemp(), "ignored.weights.h5"))
-        model.save_weights(path)
+        where = out if chief else tempfile.mkdtemp()
+        model.save_weights(os.path.join(where, f"{shard}-{optimizer}.weights.h5"))
+        model.save(os.path.join(where, f"{shard}-{optimizer}.keras"))
         resumed = fit(3)  # From the backup of epoch 2: one more epoch.
         # (Under shard="parameters" get_weights fetches each variable from its owner: every
         # worker asks, in the same order.)

@@ -28,6 +28,8 @@ SYMBOLS = {
     "keras.src.backend.common.stateless_scope.in_stateless_scope":
         "skip Keras' symbolic build (where a variable without storage reads as its initializer)",
     "keras.src.backend.common.symbolic_scope.in_symbolic_scope": "skip shape inference",
+    "keras.src.saving.saving_lib":
+        "is_memory_sufficient wrapped: a tfpar model's .keras weights go through a file",
     "keras.src.backend.common.remat": "RematScope's layer calls under model.fit on TensorFlow",
     "keras.src.backend.common.masking.get_keras_mask": "keep masks across devices",
     "keras.src.backend.common.masking.set_keras_mask": "keep masks across devices",
@@ -91,6 +93,7 @@ SYMBOLS = {
 
 # Private attributes of Keras and TensorFlow objects that tfpar reads or sets, and on what.
 ATTRIBUTES = {
+    "is_memory_sufficient": "keras.src.saving.saving_lib (wrapped)",
     "_aggregate_additional_loss": "keras.Model",
     "_assert_compile_called": "keras.Model",
     "_call_has_training_arg": "keras.layers.Layer",

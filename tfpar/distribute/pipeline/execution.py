@@ -206,14 +206,18 @@ class TrainStep:
       devices: the device of each stage, for this replica.
       schedule: a validated `Schedule`.
       remat: recompute each stage's forward in its backward.
+      offload_devices: under remat, where each chunk keeps its inputs until its backward
+        (None: on its own device).
       replica: this replica's id; its actions are built in name scope `pipeline_r<id>`,
         e.g. `pipeline_r0/1F0/...` (their gradients: `gradient_tape/pipeline_r0/1F0/...`).
       num_replicas: how many pipeline replicas share the global batch.
     """
 
-    def __init__(self, model, program, devices, schedule, remat, replica=0, num_replicas=1):
+    def __init__(self, model, program, devices, schedule, remat, replica=0, num_replicas=1,
+                 offload_devices=None):
         self.model, self.program, self.devices = model, program, list(devices)
         self.schedule, self.remat = schedule, remat
+        self.offload_devices = offload_devices
         self.replica, self.num_replicas = replica, num_replicas
         k, m = schedule.num_chunks, schedule.num_micro_batches
         self.last_chunk = k - 1
@@ -415,7 +419,7 @@ class TrainStep:
                     states = [(v, tf.identity(v.value))
                               for v in self.program.stages[s].seed_variables]
                     y, targets = self._stage(action, x)
-                    self.kept[s][m] = (x, states)
+                    self.kept[s][m] = (self._offloaded(s, x), states)
                 else:
                     tape = tf.GradientTape()
                     self._tape_of_last_stage = tape
@@ -426,6 +430,24 @@ class TrainStep:
         self._done(action, tensors_of(targets))
         if y is not None:
             self.inputs[s + 1][m] = y
+
+    def _offloaded(self, s, x):
+        """x, or its copy in chunk s's offload device: the backward's rerun reads the copy
+        (fetched back to the chunk's device when the backward starts), so the chunk's own
+        x is freed after the forward."""
+        if self.offload_devices is None:
+            return x
+        with tf.device(self.offload_devices[s]):
+            return _anchor(x)
+
+    def _fetched(self, s, kept):
+        """An offloaded input, sent back to chunk s now: the copy is made on the offload
+        device in the backward's control scope. (A receive runs as soon as its sender has
+        sent; had the offloaded copy itself been sent, it would have come straight back.)"""
+        if self.offload_devices is None:
+            return kept
+        with tf.device(self.offload_devices[s]):
+            return _anchor(kept)
 
     def _backward(self, action):
         """B (the whole backward) or I (its input-gradient part; W follows)."""
@@ -468,7 +490,7 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         if self.remat:
             x, states = self.kept[s][m]
-            x = _anchor(x)  # The rerun starts now, not as soon as x exists.
+            x = _anchor(self._fetched(s, x))  # The rerun starts now, not as soon as x exists.
             tape = tf.GradientTape()
             with tape, keras.StatelessScope(state_mapping=states, collect_losses=True):
                 tape.watch(_floats(x))

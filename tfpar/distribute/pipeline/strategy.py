@@ -97,6 +97,12 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         `tfpar.plan.schedule.Schedule` of your own (validated by a dry run before it runs).
       remat: recompute each stage's activations in its backward instead of
         keeping them (GPipe's rematerialization).
+      offload_activations: with remat, where each stage keeps its micro-batches' inputs
+        between their forward and backward (what remat keeps): False, on the stage's
+        device; True, in the host memory of the stage's task (its CPU:0: for a GPU stage,
+        off the GPU; for a CPU stage, the same memory); or a device name, e.g. the chief's
+        CPU for stages on worker processes. Each input is copied there after its forward
+        and fetched back when its backward starts (DeepSpeed's CPU checkpointing).
       num_replicas: R, pipeline replicas (data parallelism over pipelines).
       num_stages: K; None: len(devices) / num_replicas. With
         `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
@@ -163,9 +169,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
                  cluster_resolver=None, connect_timeout_seconds=60.0,
-                 stage_timeout_seconds=120.0):
+                 stage_timeout_seconds=120.0, offload_activations=False):
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
+        _check_offload(offload_activations, remat)
         if balance_by not in ("params", "time"):
             raise PlacementError(f"balance_by must be 'params' or 'time'. Received: "
                                  f"balance_by={balance_by!r}")
@@ -192,6 +199,7 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         num_stages = _stage_count(len(resolved), num_replicas, num_stages)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
+        self._offload = offload_activations
         self._balance_by = balance_by
         self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
                                if balance_by == "time" else None)
@@ -218,7 +226,9 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="
                 f"{self.num_micro_batches}, schedule={self._schedule.name!r}, "
                 f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
-                f"remat={self._remat}, replicas={len(self._grid)})")
+                f"remat={self._remat}, "
+                f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
+                f"replicas={len(self._grid)})")
 
     @property
     def num_stages(self):
@@ -412,8 +422,10 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         self._place(model)
         replica = replica_id()
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, self.chunk_devices(replica),
-                                       self._schedule, self._remat, replica, len(self._grid))
+        devices = self.chunk_devices(replica)
+        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, devices,
+                                       self._schedule, self._remat, replica, len(self._grid),
+                                       offload_devices=self._offload_devices(devices))
         versions = self._weight_versions(model)
         if versions is not None:
             versions.use_older(model.optimizer.iterations)
@@ -430,6 +442,14 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         if versions is not None:
             versions.mark_saved(model.optimizer.iterations)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _offload_devices(self, devices):
+        """Where each chunk on `devices` keeps its inputs for the backward, or None."""
+        if not self._offload:
+            return None
+        if self._offload is True:
+            return [devices_lib.host_of(d) for d in devices]
+        return [canonical_device(self._offload)] * len(devices)
 
     def _weight_versions(self, model):
         """PipeDream-2BW's older weights of `model` (None unless the schedule has two
@@ -504,6 +524,21 @@ def _stage_count(num_devices, num_replicas, num_stages):
             f"each pipeline replica runs one stage per device. Pass {num_replicas * num_stages} "
             f"devices, or num_stages=None.")
     return num_stages
+
+
+def _check_offload(offload, remat):
+    if offload is False or offload is None:
+        return
+    if not (offload is True or isinstance(offload, str)):
+        raise ValueError(f"offload_activations must be True, False or a device name such as "
+                         f"'/job:chief/replica:0/task:0/device:CPU:0'. Received: "
+                         f"offload_activations={offload!r}")
+    if not remat:
+        raise ValueError(
+            "offload_activations needs remat=True: it moves what remat keeps (each stage's "
+            "input per micro-batch) to host memory. Without remat a stage keeps every "
+            "intermediate activation inside TensorFlow's gradient graph, which cannot be "
+            "moved. Pass remat=True, offload_activations=... .")
 
 
 @dataclasses.dataclass(frozen=True)
