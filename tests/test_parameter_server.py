@@ -108,6 +108,19 @@ def test_a_new_compile_trains_with_the_new_optimizer_loss_and_metrics(async_run)
 
 
 @pytest.mark.slow
+def test_a_users_error_in_a_step_surfaces_as_itself(exact_run):
+    """A loss of mismatched shapes failed on a worker; with 2 ps its error often came back
+    relayed by a ps (its text names /job:ps), and fit raised "ClusterError: A parameter
+    server stopped responding ... Restart the cluster" on a healthy cluster (3 fits in 4)."""
+    errors = exact_run[0]["user_errors"]
+    assert len(errors) == 5
+    for kind, text in errors:
+        assert kind == "InvalidArgumentError", text
+        assert "Incompatible shapes: [64] vs. [64,10]" in text
+        assert re.search(r"\{\{node [\w/]*compile_loss/mse/sub[\w/]*\}\}", text), text  # The op
+
+
+@pytest.mark.slow
 def test_on_batch_calls_and_arguments_that_would_be_dropped_fail_clearly(async_run):
     result, _ = async_run
     assert "train_on_batch runs one step on the chief" in result["train_on_batch"]

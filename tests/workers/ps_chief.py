@@ -167,6 +167,30 @@ def run_async(strategy, result):
         result["infinite_error"] = str(error)
 
 
+def _user_errors(strategy, result, tries=5):
+    """A loss of mismatched shapes ([64] against [64, 10], known only when the step runs):
+    the error each of `tries` fits raises, its type and text. Whether the error that comes
+    back is the one relayed by a ps (whose text names /job:ps) is a race: 3 runs in 4 here.
+    Run last: each error cancels the queued closures."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    with strategy.scope():
+        wrong = keras.Sequential([keras.Input((2,)), keras.layers.Dense(10)])
+        wrong.compile("sgd", "mse")
+    # Batches of unknown size: the shapes meet only at run time, on a worker.
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((128, 2), "float32"), np.zeros(128, "float32"))).batch(64)
+    result["user_errors"] = []
+    for _ in range(tries):
+        try:
+            wrong.fit(data, verbose=0)
+            result["user_errors"].append(["none", ""])
+        except Exception as error:  # Whatever fit raises is the result.
+            result["user_errors"].append([type(error).__name__, str(error)])
+
+
 def run_sync(strategy, result):
     import keras
     import numpy as np
@@ -381,6 +405,7 @@ def run_exact(strategy, result):
     result["sharded_shards"] = len(sharded.layers[0].embeddings.value.variables)
     result["sharded_moved"] = float(np.abs(sharded.get_weights()[0] - before).max())
     result["sharded_iterations"] = int(sharded.optimizer.iterations.numpy())
+    _user_errors(strategy, result)
 
 
 def _batches_seen(strategy, epochs):
