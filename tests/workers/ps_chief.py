@@ -18,8 +18,8 @@ Scenarios (each needs its own cluster: a process joins one cluster, once):
           fit during which the test kills the ps (prints "PS FIT STARTED").
   no_workers  1 worker, 1 ps: a long fit during which the test kills the only
           worker (prints "FIT STARTED").
-  data_service  under `tfpar launch --data_service`: async fit reading through the
-          tf.data service, which batches each worker saw.
+  data_service  under `tfpar launch --data_service`: async fits reading through the
+          tf.data service (--data_service_epochs), which batches each epoch saw.
   chiefless  1 worker, 1 ps, no TF_CONFIG: a SimpleClusterResolver naming the workers
           and ps only (as the TensorFlow tutorial); the public properties of the
           strategy (stock with --stock) and, for tfpar, a short fit.
@@ -40,6 +40,7 @@ flags.DEFINE_enum("scenario", "async",
                    "chiefless"],
                   "What to run.")
 flags.DEFINE_integer("fault_epochs", 4, "faults: epochs of 150 steps in the first fit.")
+flags.DEFINE_integer("data_service_epochs", 3, "data_service: epochs of 20 batches.")
 flags.DEFINE_bool("stock", False, "chiefless: TensorFlow's ParameterServerStrategy instead.")
 flags.DEFINE_string("out", None, "Directory for result.json.")
 
@@ -451,7 +452,7 @@ def _batches_seen(strategy, epochs):
 def run_data_service(strategy, result):
     result["data_service"] = strategy.data_service
     (result["seen_counts"], result["seen_per_epoch"], result["steps_run"],
-     result["steps_after_each_epoch"]) = _batches_seen(strategy, epochs=3)
+     result["steps_after_each_epoch"]) = _batches_seen(strategy, FLAGS.data_service_epochs)
 
 
 def run_faults(strategy, result):

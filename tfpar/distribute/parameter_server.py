@@ -149,6 +149,20 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         with self.ps_failures_explained():
             return self.coordinator.schedule(steps, args=(iterator, tf.constant(num_steps)))
 
+    def schedule_steps_on(self, worker, step_fn, iterator, num_steps):
+        """As `schedule_steps`, on worker `worker` (an index) and its own iterator only.
+
+        `join` does not wait for it: `fetch` its value. A worker lost (or found lost)
+        makes that fetch raise `tf.errors.CancelledError`, which the coordinator does not
+        retry elsewhere: what the worker's iterator held is gone with it."""
+        steps = self._step_function(step_fn, "iterator")
+        # The coordinator pins only resource closures to a worker (its own queue, which
+        # that worker serves first); one is rerun on recovery while its value is kept.
+        target = internals.attr(self.coordinator, "_cluster").workers[worker]
+        internals.check(target.worker_index == worker, "the coordinator's workers, in task order")
+        with self.ps_failures_explained():
+            return target.create_resource(steps, args=(iterator, tf.constant(num_steps)))
+
     def schedule_on(self, step_fn, *args):
         """Schedules `step_fn(*args)` on a free worker; `args` are sent from the chief."""
         run = self._step_function(step_fn, "args")
