@@ -348,8 +348,9 @@ class _AsyncEpochs:
         # for its worker; the batches left then are those other workers fetched ahead, which
         # only their own iterators give out. So each worker in turn runs a closure pinned to
         # it that reads its iterator to the end (or to the epoch's steps): every batch of
-        # the pass is read once. (Unpinned catch-up closures could all land on a worker with
-        # nothing left while another held 10 batches: measured, an epoch ended 10 short.)
+        # the pass is read once. (Without catch-up, epochs of 20 steps ran 16 to 19 under CPU
+        # load; unpinned catch-up closures could all land on a worker with nothing left while
+        # another held 10 batches: measured, an epoch ended 10 short.)
         self.iterator = self.strategy.per_worker_iterator(self.data.per_worker())
         start = int(self.strategy.steps_run.numpy())
         self._schedule(0, steps, callbacks)
