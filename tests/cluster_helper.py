@@ -62,6 +62,19 @@ def children_of(parent_pid, job, index=None):
     return found
 
 
+@contextlib.contextmanager
+def cpu_load(processes):
+    """`processes` busy-looping Python processes for the time of the block, then killed."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait(10)
+
+
 def launch(command):
     """The launcher running `command`, its output lines as they come, and their reader."""
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster_helper import Cluster, children_of, launch, wait_for_line
+from cluster_helper import Cluster, children_of, cpu_load, launch, wait_for_line
 from tfpar.cluster.launcher import make_cluster
 from tfpar.cluster.tf_config import ClusterConfig, TFConfigError, check_parameter_server_cluster
 
@@ -105,6 +105,19 @@ def test_a_new_compile_trains_with_the_new_optimizer_loss_and_metrics(async_run)
     assert result["recompile_weight_change"] == 0.0
     assert result["recompile_logs"] == ["loss", "recompiled"]
     assert result["recompile_iterations"] == 4  # A fresh optimizer counted 4 steps.
+
+
+@pytest.mark.slow
+def test_a_users_error_in_a_step_surfaces_as_itself(exact_run):
+    """A loss of mismatched shapes failed on a worker; with 2 ps its error often came back
+    relayed by a ps (its text names /job:ps), and fit raised "ClusterError: A parameter
+    server stopped responding ... Restart the cluster" on a healthy cluster (3 fits in 4)."""
+    errors = exact_run[0]["user_errors"]
+    assert len(errors) == 5
+    for kind, text in errors:
+        assert kind == "InvalidArgumentError", text
+        assert "Incompatible shapes: [64] vs. [64,10]" in text
+        assert re.search(r"\{\{node [\w/]*compile_loss/mse/sub[\w/]*\}\}", text), text  # The op
 
 
 @pytest.mark.slow
@@ -393,21 +406,31 @@ def test_lost_ps_ends_the_binary_clearly_and_a_rerun_resumes(tmp_path):
     assert re.search(r"final: loss=[\d.]+ accuracy=0\.9", out), out[-2000:]
 
 
+DATA_SERVICE_EPOCHS = 8
+
+
 @pytest.mark.slow
 def test_through_the_data_service_every_epoch_reads_each_batch_exactly_once(tmp_path):
     """`tfpar launch --data_service` starts a tf.data service, which the strategy reads
-    through by itself. Without it each worker reads its own shard; with it, one pass per
-    epoch hands each batch to one worker (before: a closure that met the end of the pass
-    failed with OutOfRange, and batches fetched ahead were lost)."""
+    through by itself: one pass per epoch hands each of 20 batches to one worker. Under CPU
+    load (two busy processes beside the cluster), every epoch reads every batch once.
+    Before: a closure that met the end of the pass failed with OutOfRange; then batches
+    fetched ahead by one worker were lost when the catch-up closures all went to another
+    (an epoch of 10 steps, 1 run in 5 under this load)."""
     command = [sys.executable, "-m", "tfpar.launch", "--workers=2", "--ps=1", "--data_service",
-               "--", sys.executable, CHIEF, "--scenario=data_service", f"--out={tmp_path}"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+               "--", sys.executable, CHIEF, "--scenario=data_service", f"--out={tmp_path}",
+               f"--data_service_epochs={DATA_SERVICE_EPOCHS}"]
+    with cpu_load(2):
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert run.returncode == 0, run.stdout[-4000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["data_service"].startswith("grpc://127.0.0.1:")
-    assert result["steps_run"] == 3 * 20, result
-    assert result["seen_counts"] == [3] * 20, result  # 3 epochs of the same 20 batches.
+    # Counted on the ps: each batch's reads per epoch, and the optimizer's steps and the
+    # closures' steps after each epoch.
+    assert result["seen_per_epoch"] == [[1] * 20] * DATA_SERVICE_EPOCHS, result
+    assert result["steps_after_each_epoch"] == [
+        [20 * (k + 1)] * 2 for k in range(DATA_SERVICE_EPOCHS)], result
 
 
 @pytest.mark.slow

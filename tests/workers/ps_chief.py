@@ -18,8 +18,8 @@ Scenarios (each needs its own cluster: a process joins one cluster, once):
           fit during which the test kills the ps (prints "PS FIT STARTED").
   no_workers  1 worker, 1 ps: a long fit during which the test kills the only
           worker (prints "FIT STARTED").
-  data_service  under `tfpar launch --data_service`: async fit reading through the
-          tf.data service, which batches each worker saw.
+  data_service  under `tfpar launch --data_service`: async fits reading through the
+          tf.data service (--data_service_epochs), which batches each epoch saw.
   chiefless  1 worker, 1 ps, no TF_CONFIG: a SimpleClusterResolver naming the workers
           and ps only (as the TensorFlow tutorial); the public properties of the
           strategy (stock with --stock) and, for tfpar, a short fit.
@@ -40,6 +40,7 @@ flags.DEFINE_enum("scenario", "async",
                    "chiefless"],
                   "What to run.")
 flags.DEFINE_integer("fault_epochs", 4, "faults: epochs of 150 steps in the first fit.")
+flags.DEFINE_integer("data_service_epochs", 3, "data_service: epochs of 20 batches.")
 flags.DEFINE_bool("stock", False, "chiefless: TensorFlow's ParameterServerStrategy instead.")
 flags.DEFINE_string("out", None, "Directory for result.json.")
 
@@ -165,6 +166,30 @@ def run_async(strategy, result):
         small.fit(train.repeat(), epochs=1, verbose=0)
     except ValueError as error:
         result["infinite_error"] = str(error)
+
+
+def _user_errors(strategy, result, tries=5):
+    """A loss of mismatched shapes ([64] against [64, 10], known only when the step runs):
+    the error each of `tries` fits raises, its type and text. Whether the error that comes
+    back is the one relayed by a ps (whose text names /job:ps) is a race: 3 runs in 4 here.
+    Run last: each error cancels the queued closures."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    with strategy.scope():
+        wrong = keras.Sequential([keras.Input((2,)), keras.layers.Dense(10)])
+        wrong.compile("sgd", "mse")
+    # Batches of unknown size: the shapes meet only at run time, on a worker.
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.zeros((128, 2), "float32"), np.zeros(128, "float32"))).batch(64)
+    result["user_errors"] = []
+    for _ in range(tries):
+        try:
+            wrong.fit(data, verbose=0)
+            result["user_errors"].append(["none", ""])
+        except Exception as error:  # Whatever fit raises is the result.
+            result["user_errors"].append([type(error).__name__, str(error)])
 
 
 def run_sync(strategy, result):
@@ -381,6 +406,7 @@ def run_exact(strategy, result):
     result["sharded_shards"] = len(sharded.layers[0].embeddings.value.variables)
     result["sharded_moved"] = float(np.abs(sharded.get_weights()[0] - before).max())
     result["sharded_iterations"] = int(sharded.optimizer.iterations.numpy())
+    _user_errors(strategy, result)
 
 
 def _batches_seen(strategy, epochs):
@@ -426,7 +452,7 @@ def _batches_seen(strategy, epochs):
 def run_data_service(strategy, result):
     result["data_service"] = strategy.data_service
     (result["seen_counts"], result["seen_per_epoch"], result["steps_run"],
-     result["steps_after_each_epoch"]) = _batches_seen(strategy, epochs=3)
+     result["steps_after_each_epoch"]) = _batches_seen(strategy, FLAGS.data_service_epochs)
 
 
 def run_faults(strategy, result):

@@ -19,6 +19,7 @@ Modes:
 
 import functools
 import os
+import re
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ import tensorflow as tf
 
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
-from tfpar.cluster.probe import listening, require_reachable
+from tfpar.cluster.probe import answers, listening, require_reachable
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.data import dataset_from_function
 from tfpar.data_service import DATA_SERVICE_ENV
@@ -147,6 +148,20 @@ class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy
         steps = self._step_function(step_fn, "iterator")
         with self.ps_failures_explained():
             return self.coordinator.schedule(steps, args=(iterator, tf.constant(num_steps)))
+
+    def schedule_steps_on(self, worker, step_fn, iterator, num_steps):
+        """As `schedule_steps`, on worker `worker` (an index) and its own iterator only.
+
+        `join` does not wait for it: `fetch` its value. A worker lost (or found lost)
+        makes that fetch raise `tf.errors.CancelledError`, which the coordinator does not
+        retry elsewhere: what the worker's iterator held is gone with it."""
+        steps = self._step_function(step_fn, "iterator")
+        # The coordinator pins only resource closures to a worker (its own queue, which
+        # that worker serves first); one is rerun on recovery while its value is kept.
+        target = internals.attr(self.coordinator, "_cluster").workers[worker]
+        internals.check(target.worker_index == worker, "the coordinator's workers, in task order")
+        with self.ps_failures_explained():
+            return target.create_resource(steps, args=(iterator, tf.constant(num_steps)))
 
     def schedule_on(self, step_fn, *args):
         """Schedules `step_fn(*args)` on a free worker; `args` are sent from the chief."""
@@ -279,7 +294,9 @@ def _per_worker_datasets(dataset, num_workers, repeat, data_service=None):
 
 
 class _PSFailure:
-    """Turns the coordinator's ps failures into a ClusterError that says what to do."""
+    """Turns the loss of a ps into a ClusterError that says what to do. Any other error
+    passes as itself: a step that fails on a worker (a user's shape error) comes back
+    through the ps that ran part of it, so its text names the ps while the ps is fine."""
 
     def __init__(self, config):
         self._config = config
@@ -290,18 +307,30 @@ class _PSFailure:
     def __exit__(self, kind, error, traceback):
         if error is None or not isinstance(error, tf.errors.OpError):
             return False
-        # The coordinator says PSUnavailableError; the chief's own reads of a lost ps
-        # fail with various errors that name the ps job or its address.
-        text = str(error)
-        unavailable = internals.symbol(
-            "tensorflow.python.distribute.coordinator.cluster_coordinator.PSUnavailableError")
-        is_ps = (isinstance(error, unavailable) or "/job:ps" in text
-                 or any(address in text for address in self._config.cluster["ps"]))
-        if not is_ps:
+        lost = self._lost_ps(error)
+        if not lost:
             return False
-        ps = ", ".join(f"ps:{i} ({a})" for i, a in enumerate(self._config.cluster["ps"]))
+        ps = ", ".join(f"ps:{i} ({self._config.cluster['ps'][i]})" for i in lost)
         raise ClusterError(
             f"A parameter server stopped responding ({ps}): the variables it held are gone, "
             f"so training cannot go on. Restart the cluster; with a checkpoint directory "
             f"(--model_dir, or keras.callbacks.BackupAndRestore) the rerun resumes from the "
             f"last checkpoint.") from error
+
+    def _lost_ps(self, error):
+        """The indices of the ps tasks `error` shows lost; empty when none is."""
+        addresses = self._config.cluster["ps"]
+        text = str(error)
+        # The coordinator's own reading (an unavailable or restarted ps); the chief's own
+        # reads of a lost ps fail with other errors, which name the ps job or its address.
+        said_lost = internals.symbol(
+            "tensorflow.python.distribute.coordinator.cluster_coordinator._is_ps_failure")(error)
+        if not (said_lost or "/job:ps" in text or any(a in text for a in addresses)):
+            return []
+        # Asked directly: a ps that is gone refuses, a stopped one stays silent.
+        lost = [i for i, address in enumerate(addresses) if answers(address) != "answers"]
+        if lost or not said_lost:
+            return lost
+        # All answer, yet TensorFlow reads a lost ps: one restarted, without its variables.
+        named = sorted({int(i) for i in re.findall(r"/job:ps/replica:0/task:(\d+)", text)})
+        return [i for i in named if i < len(addresses)] or list(range(len(addresses)))

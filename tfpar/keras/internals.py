@@ -67,8 +67,8 @@ SYMBOLS = {
     "tensorflow.python.distribute.collective_util.Options": "collective options",
     "tensorflow.python.eager.context.context":
         "the coordination service's key-value store: workers check they will meet",
-    "tensorflow.python.distribute.coordinator.cluster_coordinator.PSUnavailableError":
-        "explain a lost parameter server",
+    "tensorflow.python.distribute.coordinator.cluster_coordinator._is_ps_failure":
+        "TensorFlow's own reading of an error as a lost parameter server",
     "tensorflow.python.distribute.coordinator.values.PerWorkerDistributedIterator":
         "one iterator per worker, each over its own shard",
     "tensorflow.python.distribute.coordinator.values.deserialize_dataset_from_graph":
