@@ -497,3 +497,14 @@ def test_docstring_examples_run():
     for module in (mesh, mesh_strategy, keras_mesh):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
+
+
+def test_a_layout_without_a_mesh_keeps_keras_error_text():
+    """Keras' own distribution_lib test checks this text (its backends raise it)."""
+    from keras.src.backend.tensorflow import distribution_lib as backend
+
+    layout = keras.distribution.TensorLayout(["data", None], device_mesh=None)
+    with pytest.raises(ValueError, match="Cannot create sharding when device mesh is not set"):
+        backend._to_backend_layout(layout)
+    with pytest.raises(ValueError, match="Cannot create sharding when device mesh is not set"):
+        keras.distribution.distribute_tensor(tf.ones((2, 2)), layout)

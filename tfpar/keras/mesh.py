@@ -175,8 +175,9 @@ def _backend_functions():
 
 def _mesh_of(tensor_layout):
     if tensor_layout.device_mesh is None:
-        raise ValueError("A TensorLayout needs its device mesh to be laid out; make it "
-                         "with TensorLayout(axes, device_mesh).")
+        # (Keras' own text, which its distribution_lib tests check, then what to do.)
+        raise ValueError("Cannot create sharding when device mesh is not set for "
+                         "TensorLayout: make it with TensorLayout(axes, device_mesh).")
     return tensor_layout.device_mesh
 
 
