@@ -1,8 +1,8 @@
 """Keras' distribution API (`keras.distribution`) on the TensorFlow backend: the Keras side.
 
 On TensorFlow, Keras 3.15 leaves the API unfinished: its backend module says "DO NOT
-USE", `distribute_value` is a TODO, and a `DataParallel` cannot even be made (the backend
-has no `num_processes`). `use_keras_distribution()` completes it, on TensorFlow's own
+USE", `distribute_value` is a TODO, and a `DataParallel` trains silently on one device.
+`use_keras_distribution()` completes it, on TensorFlow's own
 SPMD runtime, DTensor (`tfpar.distribute.mesh`):
 
 - the backend functions Keras' frontend calls (devices, processes, meshes, layouts,
