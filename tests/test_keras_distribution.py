@@ -508,3 +508,35 @@ def test_a_layout_without_a_mesh_keeps_keras_error_text():
         backend._to_backend_layout(layout)
     with pytest.raises(ValueError, match="Cannot create sharding when device mesh is not set"):
         keras.distribution.distribute_tensor(tf.ones((2, 2)), layout)
+
+
+def test_a_layer_made_on_a_mesh_in_a_model_made_off_it_is_refused_clearly():
+    """A Dropout made under a ModelParallel distribution (its seed state on the mesh), in
+    a model made after set_distribution(None): refused before any step, naming the layer;
+    made after the distribution is unset, the same model trains as on one device."""
+    x, y = _data()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+
+    def build(dropout):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense_up"),
+                                  dropout, keras.layers.Dense(4, name="head")])
+        model.compile(keras.optimizers.SGD(0.1), LOGITS_LOSS)
+        return model
+
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    stray = keras.layers.Dropout(0.5, seed=1, name="stray_dropout")
+    keras.distribution.set_distribution(None)
+    model = build(stray)
+    for run in (lambda: model.fit(x, y, batch_size=16, verbose=0),
+                lambda: model.evaluate(x, y, batch_size=16, verbose=0),
+                lambda: model.predict(x, batch_size=16, verbose=0)):
+        with pytest.raises(ValueError, match="Layer 'stray_dropout' holds .*seed_generator_"
+                                             ".*on a device mesh.*set_distribution\\(None\\)"):
+            run()
+    assert int(model.optimizer.iterations.numpy()) == 0
+    loss = build(keras.layers.Dropout(0.5, seed=1)).fit(x, y, batch_size=16, verbose=0)
+    assert np.isfinite(loss.history["loss"][0])

@@ -233,6 +233,25 @@ def _mesh_variable(model):
     return None
 
 
+def _refuse_partly_on_mesh(model):
+    """A model whose weights are off the mesh cannot run with state on it (DTensor fails
+    inside the step: "Could not find `tf._element_layouts`"): a layer made while a
+    distribution was set (a Dropout's seed state) in a model made after it was unset."""
+    owners = {}  # (Parents come first: the innermost layer holding a variable wins.)
+    for layer in internals.attr(model, "_flatten_layers")(include_self=True):
+        for variable in layer.variables:
+            owners[id(variable)] = layer
+    for variable in model.variables:
+        if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
+            layer = owners.get(id(variable), model)
+            raise ValueError(
+                f"Layer {layer.name!r} holds {variable.path!r} on a device mesh (it was "
+                f"made while a keras.distribution was set), but the weights of model "
+                f"{model.name!r} are not on a mesh: a model runs wholly on a mesh or wholly "
+                f"off it. Make the layer after set_distribution(None) too, or build the "
+                f"whole model under the distribution.")
+
+
 def _distribution_of(model):
     variable = _mesh_variable(model)
     return None if variable is None else variable._tfpar_distribution
@@ -320,6 +339,8 @@ def _mesh_function(keras_make, kind):
     def make(self, force=False):
         variable = _mesh_variable(self)
         if variable is None:
+            if mesh_lib.any_mesh():
+                _refuse_partly_on_mesh(self)
             return keras_make(self, force)
         attribute = f"{kind}_function"
         if getattr(self, attribute) is not None and not force:
