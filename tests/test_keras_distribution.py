@@ -540,3 +540,43 @@ def test_a_layer_made_on_a_mesh_in_a_model_made_off_it_is_refused_clearly():
     assert int(model.optimizer.iterations.numpy()) == 0
     loss = build(keras.layers.Dropout(0.5, seed=1)).fit(x, y, batch_size=16, verbose=0)
     assert np.isfinite(loss.history["loss"][0])
+
+
+def test_keras_distribute_tensor_inside_a_users_tf_function():
+    """In a tf.function run on the mesh (its input placed there), distribute_tensor
+    relayouts, as in a jitted function on JAX, also to a mesh first met inside it."""
+    devices = keras.distribution.list_devices()[:2]
+    placed_on = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)  # Not yet seen.
+    value = tf.reshape(tf.range(8.0), (2, 4))
+    x = keras.distribution.distribute_tensor(
+        value, keras.distribution.TensorLayout([None, None], placed_on))
+
+    @tf.function
+    def double_split_by_columns(x):
+        return keras.distribution.distribute_tensor(
+            x * 2, keras.distribution.TensorLayout([None, "model"], mesh))
+
+    out = double_split_by_columns(x)
+    assert tuple(dtensor.fetch_layout(out).sharding_specs) == (dtensor.UNSHARDED, "model")
+    pieces = dtensor.unpack(out)
+    assert [p.device for p in pieces] == tfpar.distribute.mesh.mesh_devices(mesh)
+    np.testing.assert_array_equal(pieces[0], value[:, :2] * 2)
+    np.testing.assert_array_equal(pieces[1], value[:, 2:] * 2)
+    # A function given only ordinary tensors runs off the mesh: TensorFlow's own error,
+    # as the README says, also when it is the first place a mesh is met (in a fresh
+    # process; it was "`pack` must be called eagerly", from laying the mesh out there).
+    program = (
+        "import tfpar; tfpar.virtual_cpus(2)\n"
+        "import keras, tensorflow as tf\n"
+        "tfpar.use_keras_distribution()\n"
+        "mesh = keras.distribution.DeviceMesh((2,), ['model'],\n"
+        "                                     keras.distribution.list_devices()[:2])\n"
+        "layout = keras.distribution.TensorLayout([None, 'model'], mesh)\n"
+        "tf.function(lambda x: keras.distribution.distribute_tensor(x, layout))(\n"
+        "    tf.ones((2, 4)))\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    assert done.returncode != 0
+    assert "No OpKernel was registered to support Op 'Relayout'" in done.stderr, \
+        done.stderr[-3000:]

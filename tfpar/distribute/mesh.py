@@ -172,7 +172,9 @@ def runtime_of(device_mesh):
     """The one `MeshRuntime` of a Keras `DeviceMesh`."""
     key = id(device_mesh)
     if key not in _runtimes:
-        _runtimes[key] = (device_mesh, MeshRuntime(device_mesh))  # Keep the mesh alive.
+        # (Eagerly: a mesh first met inside a tf.function is made and claimed outside it.)
+        with tf.init_scope():
+            _runtimes[key] = (device_mesh, MeshRuntime(device_mesh))  # Keep it alive.
     return _runtimes[key][1]
 
 

@@ -151,7 +151,10 @@ def _backend_functions():
 
     def distribute_tensor(tensor, layout):
         # Inside a step, the value relaid as asked (a "<layer>/output" key of a LayoutMap,
-        # as JAX's sharding constraint); outside, placed on the mesh piece by piece.
+        # as JAX's sharding constraint); outside, placed on the mesh piece by piece. In a
+        # user's tf.function likewise relaid: DTensor runs a function on the mesh when an
+        # input is on it. (Given only ordinary tensors the function runs off the mesh,
+        # where TensorFlow has no Relayout kernel, and a trace cannot tell which: README.)
         if layout is None:
             return tensor
         if not isinstance(layout, keras.distribution.TensorLayout):
