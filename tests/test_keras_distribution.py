@@ -580,3 +580,57 @@ def test_keras_distribute_tensor_inside_a_users_tf_function():
     assert done.returncode != 0
     assert "No OpKernel was registered to support Op 'Relayout'" in done.stderr, \
         done.stderr[-3000:]
+
+
+def _one_layer_model(layer, shape):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(shape), layer, keras.layers.Flatten(),
+                              keras.layers.Dense(3, name="head")])
+    model.compile(keras.optimizers.SGD(0.1), LOGITS_LOSS)
+    return model
+
+
+@pytest.mark.parametrize("kind, axes, match", [
+    ("conv", (None, None, None, "model"),
+     "Layer 'layer' \\(Conv2D\\) cannot train with 'sequential/layer/kernel' laid out "
+     "\\(None, None, None, 'model'\\).*Filter for convolution.*Keep this layer's weights "
+     "replicated"),
+    ("depthwise", (None, None, "model", None),
+     "Layer 'layer' \\(DepthwiseConv2D\\) cannot run on a device mesh with any layout.*"
+     "DepthwiseConv2dNativeBackpropFilter.*keras.distribution.DataParallel"),
+    ("lstm", (None, "model"),
+     "Layer 'layer' \\(LSTM\\) cannot run on a device mesh with any layout.*TensorList.*"
+     "keras.distribution.DataParallel"),
+])
+def test_layers_dtensor_cannot_lay_out_are_refused_before_the_first_step(kind, axes, match):
+    """A LayoutMap splitting a Conv2D's, a DepthwiseConv2D's or an LSTM's kernel failed
+    inside DTensor with an MLIR error; refused before any step, naming the layer, the op
+    and what works. A Conv2D with its weights replicated trains as on one device."""
+    layer, shape = {"conv": (lambda: keras.layers.Conv2D(4, 3, name="layer"), (6, 6, 2)),
+                    "depthwise": (lambda: keras.layers.DepthwiseConv2D(3, name="layer"),
+                                  (6, 6, 2)),
+                    "lstm": (lambda: keras.layers.LSTM(4, name="layer"), (5, 3))}[kind]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, *shape)).astype("float32")
+    y = rng.integers(0, 3, 8).astype("int32")
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*layer/.*kernel"] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = _one_layer_model(layer(), shape)
+    for run in (lambda: model.fit(x, y, batch_size=4, verbose=0),
+                lambda: model.evaluate(x, y, batch_size=4, verbose=0)):
+        with pytest.raises(ValueError, match=match):
+            run()
+    assert int(model.optimizer.iterations.numpy()) == 0
+    if kind == "conv":
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=keras.distribution.LayoutMap(mesh)))
+        model = _one_layer_model(layer(), shape)
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        keras.distribution.set_distribution(None)
+        want = _one_layer_model(layer(), shape)
+        want.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        for a, b in zip(model.get_weights(), want.get_weights()):
+            np.testing.assert_allclose(a, b, atol=ATOL)

@@ -255,6 +255,60 @@ def _refuse_partly_on_mesh(model):
                 f"whole model under the distribution.")
 
 
+def _split_axes(value):
+    """The mesh axes a `MeshVariable` is split over (an axis of one device splits nothing)."""
+    plan = value._tfpar_runtime.plan
+    return tuple(a if a is not None and plan.axis_size(a) > 1 else None
+                 for a in value._tfpar_axes)
+
+
+def _ops_dtensor_cannot_lay_out():
+    """(layer classes, whether a replicated layout works, DTensor's op and error)."""
+    import keras
+
+    layers = keras.layers
+    return (
+        ((layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D,
+          layers.SeparableConv2D), False,
+         "the depthwise convolution's gradient ('tf.DepthwiseConv2dNativeBackpropFilter' "
+         "does not implement layout propagation)"),
+        ((layers.RNN,), False,
+         "the loop over time steps ('tf.EmptyTensorList' / 'tf.TensorListFromTensor' do "
+         "not implement layout propagation)"),
+        ((layers.Conv1D, layers.Conv2D, layers.Conv3D, layers.Conv1DTranspose,
+          layers.Conv2DTranspose, layers.Conv3DTranspose), True,
+         "the convolution ('Filter for convolution must have fully replicated layout')"),
+    )
+
+
+def _refuse_what_dtensor_cannot_run(model):
+    """Before the first step, a clear error for a layer DTensor fails on inside the step
+    (its MLIR error points into the user's file): convolutions with a split kernel, and
+    depthwise convolutions and RNNs with any layout (measured on TF 2.21)."""
+    rules = _ops_dtensor_cannot_lay_out()
+    for layer in internals.attr(model, "_flatten_layers")(include_self=False):
+        rule = next((r for r in rules if isinstance(layer, r[0])), None)
+        if rule is None:
+            continue
+        _, replicated_works, op = rule
+        laid = [(v.path, _split_axes(v.value)) for v in layer.weights
+                if isinstance(internals.attr(v, "_value"), mesh_lib.MeshVariable)]
+        split = [(path, axes) for path, axes in laid if any(axes)]
+        if replicated_works and not split:
+            continue
+        if replicated_works:
+            path, axes = split[0]
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) cannot train with "
+                f"{path!r} laid out {axes} on the mesh: DTensor cannot split {op}. Keep "
+                f"this layer's weights replicated (no LayoutMap key matching them).")
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) cannot run on a device mesh "
+            f"with any layout of its weights: DTensor cannot compute {op}. Train this model "
+            f"with keras.distribution.DataParallel (tfpar.DataParallelStrategy) or another "
+            f"tfpar strategy.")
+
+
 def _distribution_of(model):
     variable = _mesh_variable(model)
     return None if variable is None else variable._tfpar_distribution
@@ -351,6 +405,7 @@ def _mesh_function(keras_make, kind):
         if self.jit_compile is True:
             raise ValueError("jit_compile=True is not supported for a model on a device mesh "
                              "(tfpar.use_keras_distribution): compile with jit_compile=False.")
+        _refuse_what_dtensor_cannot_run(self)
         runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
         batch_axis = getattr(distribution, "batch_dim_name", None)
         step = tf.function(getattr(self, f"{kind}_step"), reduce_retracing=True)
@@ -416,22 +471,17 @@ def layer_modes(model):
     ("column", "row", "replicated", or "gathered": the weight is gathered before use)."""
     import keras
 
-    def split_axes(value):  # (An axis of one device splits nothing.)
-        plan = value._tfpar_runtime.plan
-        return tuple(a if a is not None and plan.axis_size(a) > 1 else None
-                     for a in value._tfpar_axes)
-
     modes = {}
     for layer in internals.attr(model, "_flatten_layers")(include_self=False):
         if isinstance(layer, keras.layers.Embedding):
             value = getattr(getattr(layer, "embeddings", None), "value", None)
             if isinstance(value, mesh_lib.MeshVariable):
-                modes[layer.path] = mesh_lib.embedding_mode(split_axes(value))
+                modes[layer.path] = mesh_lib.embedding_mode(_split_axes(value))
             continue
         kernel = getattr(layer, "kernel", None) if hasattr(type(layer), "kernel") else None
         value = getattr(kernel, "value", None)
         if not isinstance(value, mesh_lib.MeshVariable):
             continue
         equation = getattr(layer, "equation", None) or "...i,io->...o"
-        modes[layer.path] = mesh_lib.kernel_mode(equation, split_axes(value))
+        modes[layer.path] = mesh_lib.kernel_mode(equation, _split_axes(value))
     return modes
