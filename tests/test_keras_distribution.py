@@ -497,3 +497,140 @@ def test_docstring_examples_run():
     for module in (mesh, mesh_strategy, keras_mesh):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
+
+
+def test_a_layout_without_a_mesh_keeps_keras_error_text():
+    """Keras' own distribution_lib test checks this text (its backends raise it)."""
+    from keras.src.backend.tensorflow import distribution_lib as backend
+
+    layout = keras.distribution.TensorLayout(["data", None], device_mesh=None)
+    with pytest.raises(ValueError, match="Cannot create sharding when device mesh is not set"):
+        backend._to_backend_layout(layout)
+    with pytest.raises(ValueError, match="Cannot create sharding when device mesh is not set"):
+        keras.distribution.distribute_tensor(tf.ones((2, 2)), layout)
+
+
+def test_a_layer_made_on_a_mesh_in_a_model_made_off_it_is_refused_clearly():
+    """A Dropout made under a ModelParallel distribution (its seed state on the mesh), in
+    a model made after set_distribution(None): refused before any step, naming the layer;
+    made after the distribution is unset, the same model trains as on one device."""
+    x, y = _data()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_up/kernel"] = (None, "model")
+
+    def build(dropout):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense_up"),
+                                  dropout, keras.layers.Dense(4, name="head")])
+        model.compile(keras.optimizers.SGD(0.1), LOGITS_LOSS)
+        return model
+
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    stray = keras.layers.Dropout(0.5, seed=1, name="stray_dropout")
+    keras.distribution.set_distribution(None)
+    model = build(stray)
+    for run in (lambda: model.fit(x, y, batch_size=16, verbose=0),
+                lambda: model.evaluate(x, y, batch_size=16, verbose=0),
+                lambda: model.predict(x, batch_size=16, verbose=0)):
+        with pytest.raises(ValueError, match="Layer 'stray_dropout' holds .*seed_generator_"
+                                             ".*on a device mesh.*set_distribution\\(None\\)"):
+            run()
+    assert int(model.optimizer.iterations.numpy()) == 0
+    loss = build(keras.layers.Dropout(0.5, seed=1)).fit(x, y, batch_size=16, verbose=0)
+    assert np.isfinite(loss.history["loss"][0])
+
+
+def test_keras_distribute_tensor_inside_a_users_tf_function():
+    """In a tf.function run on the mesh (its input placed there), distribute_tensor
+    relayouts, as in a jitted function on JAX, also to a mesh first met inside it."""
+    devices = keras.distribution.list_devices()[:2]
+    placed_on = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)  # Not yet seen.
+    value = tf.reshape(tf.range(8.0), (2, 4))
+    x = keras.distribution.distribute_tensor(
+        value, keras.distribution.TensorLayout([None, None], placed_on))
+
+    @tf.function
+    def double_split_by_columns(x):
+        return keras.distribution.distribute_tensor(
+            x * 2, keras.distribution.TensorLayout([None, "model"], mesh))
+
+    out = double_split_by_columns(x)
+    assert tuple(dtensor.fetch_layout(out).sharding_specs) == (dtensor.UNSHARDED, "model")
+    pieces = dtensor.unpack(out)
+    assert [p.device for p in pieces] == tfpar.distribute.mesh.mesh_devices(mesh)
+    np.testing.assert_array_equal(pieces[0], value[:, :2] * 2)
+    np.testing.assert_array_equal(pieces[1], value[:, 2:] * 2)
+    # A function given only ordinary tensors runs off the mesh: TensorFlow's own error,
+    # as the README says, also when it is the first place a mesh is met (in a fresh
+    # process; it was "`pack` must be called eagerly", from laying the mesh out there).
+    program = (
+        "import tfpar; tfpar.virtual_cpus(2)\n"
+        "import keras, tensorflow as tf\n"
+        "tfpar.use_keras_distribution()\n"
+        "mesh = keras.distribution.DeviceMesh((2,), ['model'],\n"
+        "                                     keras.distribution.list_devices()[:2])\n"
+        "layout = keras.distribution.TensorLayout([None, 'model'], mesh)\n"
+        "tf.function(lambda x: keras.distribution.distribute_tensor(x, layout))(\n"
+        "    tf.ones((2, 4)))\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    assert done.returncode != 0
+    assert "No OpKernel was registered to support Op 'Relayout'" in done.stderr, \
+        done.stderr[-3000:]
+
+
+def _one_layer_model(layer, shape):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(shape), layer, keras.layers.Flatten(),
+                              keras.layers.Dense(3, name="head")])
+    model.compile(keras.optimizers.SGD(0.1), LOGITS_LOSS)
+    return model
+
+
+@pytest.mark.parametrize("kind, axes, match", [
+    ("conv", (None, None, None, "model"),
+     "Layer 'layer' \\(Conv2D\\) cannot train with 'sequential/layer/kernel' laid out "
+     "\\(None, None, None, 'model'\\).*Filter for convolution.*Keep this layer's weights "
+     "replicated"),
+    ("depthwise", (None, None, "model", None),
+     "Layer 'layer' \\(DepthwiseConv2D\\) cannot run on a device mesh with any layout.*"
+     "DepthwiseConv2dNativeBackpropFilter.*keras.distribution.DataParallel"),
+    ("lstm", (None, "model"),
+     "Layer 'layer' \\(LSTM\\) cannot run on a device mesh with any layout.*TensorList.*"
+     "keras.distribution.DataParallel"),
+])
+def test_layers_dtensor_cannot_lay_out_are_refused_before_the_first_step(kind, axes, match):
+    """A LayoutMap splitting a Conv2D's, a DepthwiseConv2D's or an LSTM's kernel failed
+    inside DTensor with an MLIR error; refused before any step, naming the layer, the op
+    and what works. A Conv2D with its weights replicated trains as on one device."""
+    layer, shape = {"conv": (lambda: keras.layers.Conv2D(4, 3, name="layer"), (6, 6, 2)),
+                    "depthwise": (lambda: keras.layers.DepthwiseConv2D(3, name="layer"),
+                                  (6, 6, 2)),
+                    "lstm": (lambda: keras.layers.LSTM(4, name="layer"), (5, 3))}[kind]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, *shape)).astype("float32")
+    y = rng.integers(0, 3, 8).astype("int32")
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+                                         keras.distribution.list_devices()[:2])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*layer/.*kernel"] = axes
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+    model = _one_layer_model(layer(), shape)
+    for run in (lambda: model.fit(x, y, batch_size=4, verbose=0),
+                lambda: model.evaluate(x, y, batch_size=4, verbose=0)):
+        with pytest.raises(ValueError, match=match):
+            run()
+    assert int(model.optimizer.iterations.numpy()) == 0
+    if kind == "conv":
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(
+            layout_map=keras.distribution.LayoutMap(mesh)))
+        model = _one_layer_model(layer(), shape)
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        keras.distribution.set_distribution(None)
+        want = _one_layer_model(layer(), shape)
+        want.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        for a, b in zip(model.get_weights(), want.get_weights()):
+            np.testing.assert_allclose(a, b, atol=ATOL)

@@ -63,9 +63,14 @@ class PlacingStrategy:
             return
         any_symbolic_tensors = internals.symbol(
             "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
+        in_symbolic_scope = internals.symbol(
+            "keras.src.backend.common.symbolic_scope.in_symbolic_scope")
         building = _local.__dict__.setdefault("building", set())
-        if any_symbolic_tensors(args, kwargs) or id(model) in building:
-            return  # A functional model built out of this one, or our own build: nothing runs.
+        # A functional model built out of this one, our own build, or Keras inferring the
+        # output of a layer that calls this model (a Sequential inside a custom layer,
+        # given placeholders, not KerasTensors): nothing runs, and this model is a part.
+        if any_symbolic_tensors(args, kwargs) or id(model) in building or in_symbolic_scope():
+            return
         # In a StatelessScope, variables Keras creates get no storage until it ends
         # (even inside Keras' own symbolic build): placing gives them storage on their
         # device before that.

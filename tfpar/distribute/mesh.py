@@ -5,8 +5,9 @@ laid out on a device mesh: an op on split operands runs piece by piece, each dev
 its own piece, and the runtime inserts the collectives the layouts need. A matmul whose
 kernel is split by output columns needs none (column parallel); split along its
 contracted rows, one all-reduce of partial sums (row parallel); a batch split along the
-data axis has its replicated variables' gradients all-reduced over that axis only. A layout
-no op can compute piecewise is gathered first (`dtensor.relayout`). On GPUs DTensor's
+data axis has its replicated variables' gradients all-reduced over that axis only. Some ops
+DTensor cannot lay out (a convolution's split filter, depthwise convolutions, RNN loops):
+`tfpar.keras.mesh` refuses those layers before a step. On GPUs DTensor's
 collectives are NCCL's (`communication_environment`).
 
 This module holds the mesh of a `keras.distribution.DeviceMesh` (`MeshRuntime`): values
@@ -172,7 +173,9 @@ def runtime_of(device_mesh):
     """The one `MeshRuntime` of a Keras `DeviceMesh`."""
     key = id(device_mesh)
     if key not in _runtimes:
-        _runtimes[key] = (device_mesh, MeshRuntime(device_mesh))  # Keep the mesh alive.
+        # (Eagerly: a mesh first met inside a tf.function is made and claimed outside it.)
+        with tf.init_scope():
+            _runtimes[key] = (device_mesh, MeshRuntime(device_mesh))  # Keep it alive.
     return _runtimes[key][1]
 
 

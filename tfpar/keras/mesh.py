@@ -1,8 +1,8 @@
 """Keras' distribution API (`keras.distribution`) on the TensorFlow backend: the Keras side.
 
 On TensorFlow, Keras 3.15 leaves the API unfinished: its backend module says "DO NOT
-USE", `distribute_value` is a TODO, and a `DataParallel` cannot even be made (the backend
-has no `num_processes`). `use_keras_distribution()` completes it, on TensorFlow's own
+USE", `distribute_value` is a TODO, and a `DataParallel` trains silently on one device.
+`use_keras_distribution()` completes it, on TensorFlow's own
 SPMD runtime, DTensor (`tfpar.distribute.mesh`):
 
 - the backend functions Keras' frontend calls (devices, processes, meshes, layouts,
@@ -151,7 +151,10 @@ def _backend_functions():
 
     def distribute_tensor(tensor, layout):
         # Inside a step, the value relaid as asked (a "<layer>/output" key of a LayoutMap,
-        # as JAX's sharding constraint); outside, placed on the mesh piece by piece.
+        # as JAX's sharding constraint); outside, placed on the mesh piece by piece. In a
+        # user's tf.function likewise relaid: DTensor runs a function on the mesh when an
+        # input is on it. (Given only ordinary tensors the function runs off the mesh,
+        # where TensorFlow has no Relayout kernel, and a trace cannot tell which: README.)
         if layout is None:
             return tensor
         if not isinstance(layout, keras.distribution.TensorLayout):
@@ -175,8 +178,9 @@ def _backend_functions():
 
 def _mesh_of(tensor_layout):
     if tensor_layout.device_mesh is None:
-        raise ValueError("A TensorLayout needs its device mesh to be laid out; make it "
-                         "with TensorLayout(axes, device_mesh).")
+        # (Keras' own text, which its distribution_lib tests check, then what to do.)
+        raise ValueError("Cannot create sharding when device mesh is not set for "
+                         "TensorLayout: make it with TensorLayout(axes, device_mesh).")
     return tensor_layout.device_mesh
 
 
@@ -230,6 +234,79 @@ def _mesh_variable(model):
         if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
             return internals.attr(variable, "_value")
     return None
+
+
+def _refuse_partly_on_mesh(model):
+    """A model whose weights are off the mesh cannot run with state on it (DTensor fails
+    inside the step: "Could not find `tf._element_layouts`"): a layer made while a
+    distribution was set (a Dropout's seed state) in a model made after it was unset."""
+    owners = {}  # (Parents come first: the innermost layer holding a variable wins.)
+    for layer in internals.attr(model, "_flatten_layers")(include_self=True):
+        for variable in layer.variables:
+            owners[id(variable)] = layer
+    for variable in model.variables:
+        if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
+            layer = owners.get(id(variable), model)
+            raise ValueError(
+                f"Layer {layer.name!r} holds {variable.path!r} on a device mesh (it was "
+                f"made while a keras.distribution was set), but the weights of model "
+                f"{model.name!r} are not on a mesh: a model runs wholly on a mesh or wholly "
+                f"off it. Make the layer after set_distribution(None) too, or build the "
+                f"whole model under the distribution.")
+
+
+def _split_axes(value):
+    """The mesh axes a `MeshVariable` is split over (an axis of one device splits nothing)."""
+    plan = value._tfpar_runtime.plan
+    return tuple(a if a is not None and plan.axis_size(a) > 1 else None
+                 for a in value._tfpar_axes)
+
+
+def _ops_dtensor_cannot_lay_out():
+    """(layer classes, whether a replicated layout works, DTensor's op and error)."""
+    import keras
+
+    layers = keras.layers
+    return (
+        ((layers.DepthwiseConv1D, layers.DepthwiseConv2D, layers.SeparableConv1D,
+          layers.SeparableConv2D), False,
+         "the depthwise convolution's gradient ('tf.DepthwiseConv2dNativeBackpropFilter' "
+         "does not implement layout propagation)"),
+        ((layers.RNN,), False,
+         "the loop over time steps ('tf.EmptyTensorList' / 'tf.TensorListFromTensor' do "
+         "not implement layout propagation)"),
+        ((layers.Conv1D, layers.Conv2D, layers.Conv3D, layers.Conv1DTranspose,
+          layers.Conv2DTranspose, layers.Conv3DTranspose), True,
+         "the convolution ('Filter for convolution must have fully replicated layout')"),
+    )
+
+
+def _refuse_what_dtensor_cannot_run(model):
+    """Before the first step, a clear error for a layer DTensor fails on inside the step
+    (its MLIR error points into the user's file): convolutions with a split kernel, and
+    depthwise convolutions and RNNs with any layout (measured on TF 2.21)."""
+    rules = _ops_dtensor_cannot_lay_out()
+    for layer in internals.attr(model, "_flatten_layers")(include_self=False):
+        rule = next((r for r in rules if isinstance(layer, r[0])), None)
+        if rule is None:
+            continue
+        _, replicated_works, op = rule
+        laid = [(v.path, _split_axes(v.value)) for v in layer.weights
+                if isinstance(internals.attr(v, "_value"), mesh_lib.MeshVariable)]
+        split = [(path, axes) for path, axes in laid if any(axes)]
+        if replicated_works and not split:
+            continue
+        if replicated_works:
+            path, axes = split[0]
+            raise ValueError(
+                f"Layer {layer.name!r} ({type(layer).__name__}) cannot train with "
+                f"{path!r} laid out {axes} on the mesh: DTensor cannot split {op}. Keep "
+                f"this layer's weights replicated (no LayoutMap key matching them).")
+        raise ValueError(
+            f"Layer {layer.name!r} ({type(layer).__name__}) cannot run on a device mesh "
+            f"with any layout of its weights: DTensor cannot compute {op}. Train this model "
+            f"with keras.distribution.DataParallel (tfpar.DataParallelStrategy) or another "
+            f"tfpar strategy.")
 
 
 def _distribution_of(model):
@@ -319,6 +396,8 @@ def _mesh_function(keras_make, kind):
     def make(self, force=False):
         variable = _mesh_variable(self)
         if variable is None:
+            if mesh_lib.any_mesh():
+                _refuse_partly_on_mesh(self)
             return keras_make(self, force)
         attribute = f"{kind}_function"
         if getattr(self, attribute) is not None and not force:
@@ -326,6 +405,7 @@ def _mesh_function(keras_make, kind):
         if self.jit_compile is True:
             raise ValueError("jit_compile=True is not supported for a model on a device mesh "
                              "(tfpar.use_keras_distribution): compile with jit_compile=False.")
+        _refuse_what_dtensor_cannot_run(self)
         runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
         batch_axis = getattr(distribution, "batch_dim_name", None)
         step = tf.function(getattr(self, f"{kind}_step"), reduce_retracing=True)
@@ -391,22 +471,17 @@ def layer_modes(model):
     ("column", "row", "replicated", or "gathered": the weight is gathered before use)."""
     import keras
 
-    def split_axes(value):  # (An axis of one device splits nothing.)
-        plan = value._tfpar_runtime.plan
-        return tuple(a if a is not None and plan.axis_size(a) > 1 else None
-                     for a in value._tfpar_axes)
-
     modes = {}
     for layer in internals.attr(model, "_flatten_layers")(include_self=False):
         if isinstance(layer, keras.layers.Embedding):
             value = getattr(getattr(layer, "embeddings", None), "value", None)
             if isinstance(value, mesh_lib.MeshVariable):
-                modes[layer.path] = mesh_lib.embedding_mode(split_axes(value))
+                modes[layer.path] = mesh_lib.embedding_mode(_split_axes(value))
             continue
         kernel = getattr(layer, "kernel", None) if hasattr(type(layer), "kernel") else None
         value = getattr(kernel, "value", None)
         if not isinstance(value, mesh_lib.MeshVariable):
             continue
         equation = getattr(layer, "equation", None) or "...i,io->...o"
-        modes[layer.path] = mesh_lib.kernel_mode(equation, split_axes(value))
+        modes[layer.path] = mesh_lib.kernel_mode(equation, _split_axes(value))
     return modes
