@@ -1,7 +1,8 @@
 """What the Keras seam (tfpar/keras/replicas.py) changes under replicas, beyond the numbers
 the conformance suite compares with one device (tests/conformance: uneven splits, masked
 and sample-weighted mean losses, call losses, gradient accumulation, each on 2 and 4
-replicas): BatchNorm copies, multi-worker input left for FILE sharding, XLA refused."""
+replicas): BatchNorm copies, multi-worker input left for FILE sharding, XLA refused, Keras'
+sum over replicas in `strategy.run` + `apply_gradients`."""
 
 import keras
 import numpy as np
@@ -78,3 +79,27 @@ def test_jit_compile_is_refused_before_the_first_step(make):
     for got, want in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(got, want)
     assert model.jit_compile  # Not switched off behind the user's back.
+
+
+@pytest.mark.parametrize("shard", [None, "optimizer", "gradients", "parameters"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_apply_gradients_in_run_sums_over_replicas(shard, graph):
+    """Keras 3.15.1's optimizer_distribute_test.py::test_gradient_accumulation and
+    test_single_step under tfpar: `apply_gradients` in `strategy.run` sums the replicas'
+    gradients, with and without accumulation, also for one gradient tensor made outside
+    `run` (every replica passes that object; TensorFlow's all-reduce returned it unsummed:
+    [[0, 1], [1, 2]] where Keras expects [[-1, 0], [-1, 0]])."""
+    strategy = tfpar.DataParallelStrategy(cpus(2), shard=shard)
+    for accumulation in (3, None):
+        with strategy.scope():
+            v = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+            grads = tf.constant([[1.0, 1.0], [2.0, 2.0]])
+            optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=accumulation)
+        step = lambda: strategy.run(lambda: optimizer.apply_gradients([(grads, v)]))  # noqa: E731
+        step = tf.function(step) if graph else step
+        for _ in range(accumulation or 1):
+            np.testing.assert_array_equal(v.numpy(), [[1.0, 2.0], [3.0, 4.0]])
+            step()
+        # Accumulated: the sum over 2 replicas of the mean of 3 steps' gradients.
+        np.testing.assert_array_equal(v.numpy(), [[-1.0, 0.0], [-1.0, 0.0]])
+        assert int(optimizer.iterations.numpy()) == 1

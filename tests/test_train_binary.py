@@ -106,3 +106,39 @@ def test_example_binary_trains():
                       r"accuracy=([\d.]+)", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match[1]) > 0.6
+
+
+def test_says_what_it_runs_and_keeps_cuda_probe_noise_out():
+    """One line names the strategy, devices (why CPUs) and data; on a host with no GPU,
+    TensorFlow's CUDA probe lines (twice "Could not find cuda drivers", "failed call to
+    cuInit") and its INFO lines from before absl's logging starts are gone."""
+    from tfpar import cuda_noise
+
+    code, output = _train("--epochs=1")
+    assert code == 0, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("tfpar.train: ")]
+    why = ("logical CPUs \\(CPU:0, CPU:1\\); no GPU on this host \\(no NVIDIA driver\\)"
+           if cuda_noise.gpu_absent() else "GPUs")
+    assert len(lines) == 1 and re.fullmatch(
+        f"tfpar.train: DataParallelStrategy on 2 {why}; dataset spirals \\(6000 train / "
+        f"\\d+ test examples\\), global batch 64, 1 epoch", lines[0]), output[-3000:]
+    for noise in ("cuInit", "Could not find cuda drivers", "absl::InitializeLog", "I0000 "):
+        assert noise not in output, output[-3000:]
+
+
+def test_only_the_cuda_probe_and_early_info_lines_are_noise():
+    from tfpar import cuda_noise
+
+    patterns = cuda_noise.noise_patterns({"TF_CPP_MIN_LOG_LEVEL": "2"})
+    probe = ("E0000 00:00:1795678184.808148   24266 cuda_platform.cc:52] failed call to "
+             "cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)")
+    info = ("I0000 00:00:1795678778.241064   14898 port.cc:153] oneDNN custom operations "
+            "are on.")
+    error = ("E0000 00:00:1795678184.808148   24266 collective_ops.cc:90] Collective "
+             "failed: Deadline Exceeded")
+    assert cuda_noise.is_noise(probe, patterns) == cuda_noise.gpu_absent()
+    assert cuda_noise.is_noise(info, patterns)
+    assert not cuda_noise.is_noise(error, patterns)
+    assert not cuda_noise.is_noise("Traceback (most recent call last):", patterns)
+    # INFO lines are TensorFlow's to show when its log level asks for them.
+    assert not cuda_noise.is_noise(info, cuda_noise.noise_patterns({}))

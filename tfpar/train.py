@@ -119,6 +119,36 @@ def callbacks_for(model_dir, log_dir):
     return callbacks
 
 
+def _devices_of(strategy):
+    """The devices `strategy` trains on, or None (a TF_CONFIG cluster's are its tasks')."""
+    if hasattr(strategy, "stage_devices"):
+        return [d for row in strategy.stage_devices for d in row]
+    devices = getattr(strategy, "devices", None) or getattr(strategy.extended,
+                                                             "worker_devices", None)
+    return list(devices) if devices else None
+
+
+def what_runs(strategy, devices, gpu_absent, dataset, train_examples, test_examples,
+              batch_size, epochs):
+    """The one line that says what the job runs: strategy, devices (and why CPUs), data."""
+    import re
+
+    if devices is None:
+        where = "the TF_CONFIG cluster's tasks"
+    else:
+        kinds = {"GPU" if re.search(r"gpu:\d+$", d, re.I) else "CPU" for d in devices}
+        kind = kinds.pop() if len(kinds) == 1 else "device"
+        names = ", ".join(d.split("device:")[-1] for d in devices)
+        where = f"{len(devices)} {'logical ' if kind == 'CPU' else ''}{kind}" \
+                f"{'s' if len(devices) > 1 else ''} ({names})"
+        if kind == "CPU":
+            where += ("; no GPU on this host (no NVIDIA driver)" if gpu_absent
+                      else "; TensorFlow sees no GPU")
+    return (f"tfpar.train: {type(strategy).__name__} on {where}; dataset {dataset} "
+            f"({train_examples} train / {test_examples} test examples), global batch "
+            f"{batch_size}, {epochs} epoch{'s' if epochs != 1 else ''}")
+
+
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=10, batch_size=64, learning_rate=0.01, model_dir=None,
         log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None,
@@ -153,6 +183,10 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
                 .shuffle(min(train.num_examples, 10000), seed=seed)
                 .batch(batch_size, drop_remainder=drop_remainder).prefetch(2))
     test_ds = test.dataset.map(_as_float).batch(batch_size)
+    from tfpar import cuda_noise
+
+    print(what_runs(strategy, _devices_of(strategy), cuda_noise.gpu_absent(), dataset,
+                    train.num_examples, test.num_examples, batch_size, epochs), flush=True)
     if learning_rate_decay == "cosine":
         # The optimizer's iterations drive it, so a resumed run goes on where it stopped.
         steps_per_epoch = (train.num_examples // batch_size if drop_remainder
@@ -229,6 +263,9 @@ def main(argv):
 
 
 def entry():
+    from tfpar import cuda_noise
+
+    cuda_noise.filter_stderr()  # Before TensorFlow is imported.
     app.run(main)
 
 

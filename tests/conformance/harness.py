@@ -44,20 +44,21 @@ STRATEGIES = {
     "1f1b": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b"),
     "pipe_r2k2": lambda: tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2,
                                                 schedule="1f1b"),
+    "zero1": lambda: tfpar.DataParallelStrategy(cpus(2), shard="optimizer"),
     "zero2": lambda: tfpar.DataParallelStrategy(cpus(2), shard="gradients"),
     "zero3": lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
     "zb": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4,
                                          schedule="zero_bubble_h1"),
     "2bw": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="2bw"),
 }
-# Strategies run on every feature; "dp4", "zero2", "gpipe", "pipe_r2k2", "zb" (zero-bubble
-# H1: the backward split into input and weight gradients) and "2bw" run on representative
-# subsets (expected.DP4_FEATURES, expected.PIPELINE_REPLICA_FEATURES: those whose numbers
-# depend on the replica count, as dp2 runs all; expected.ZERO2_FEATURES,
-# expected.GPIPE_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3 and 1F1B share their
-# code and run on all; expected.TWO_BW_FEATURES). (The subsets keep the suite's time down:
-# a cell costs 2-14 s, mostly TensorFlow tracing.)
-SUBSET_COLUMNS = ("dp4", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw")
+# Strategies run on every feature; "dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb"
+# (zero-bubble H1: the backward split into input and weight gradients) and "2bw" run on
+# representative subsets (expected.DP4_FEATURES, expected.PIPELINE_REPLICA_FEATURES: those
+# whose numbers depend on the replica count, as dp2 runs all; expected.ZERO1_FEATURES,
+# expected.ZERO2_FEATURES, expected.GPIPE_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3
+# and 1F1B share their code and run on all; expected.TWO_BW_FEATURES). (The subsets keep the
+# suite's time down: a cell costs 2-14 s, mostly TensorFlow tracing.)
+SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
@@ -80,9 +81,9 @@ STRATEGIES[MESH] = _mesh_strategy
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
-            "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1}
+            "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
-                 "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1}
+                 "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1}
 
 
 def make_strategy(sid):
@@ -330,6 +331,42 @@ def exported_and_served(model, data, directory):
     return {"served": np.asarray(served)}
 
 
+# --- Custom training loops --------------------------------------------------------------------
+
+def custom_loop(model, strategy, feature, data):
+    """`fit` replaced by a custom loop as TensorFlow's and Keras' distributed-training guides
+    write one: a distributed dataset of global batches, `strategy.run` of a replica step
+    whose loss is the per-example losses over the *global* batch
+    (`tf.nn.compute_average_loss`), scaled by the optimizer (`scale_loss`: a
+    LossScaleOptimizer's scale) before the tape's gradient, then
+    `optimizer.apply_gradients`; the step returns the replicas' losses summed. History: the
+    mean of the steps' losses per epoch. (No strategy: the default one, one device.)"""
+    strategy = strategy or tf.distribute.get_strategy()
+    per_example = scce(reduction=None)
+    optimizer = model.optimizer
+    batches = tf.data.Dataset.from_tensor_slices((data.x, data.y)).batch(feature.batch_size)
+    dataset = strategy.experimental_distribute_dataset(batches)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            losses = per_example(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=feature.batch_size)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(x, y):
+        losses = strategy.run(replica_step, args=(x, y))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
+
+    history = {"loss": []}
+    for _ in range(feature.epochs):
+        history["loss"].append(np.mean([float(step(x, y)) for x, y in dataset]))
+    return history
+
+
 # --- Features --------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +385,9 @@ class Feature:
     recompile: Optional[Callable[[], dict]] = None
     # (model, data, directory) -> {name: array}: extra outputs compared with `predict`.
     after: Optional[Callable] = None
+    # (model, strategy or None, feature, data) -> history: a training loop of its own in
+    # place of `fit` (custom_loop).
+    loop: Optional[Callable] = None
     summary: str = ""
 
 
@@ -441,6 +481,20 @@ def _features():
                 summary="model.save(.keras), load_model outside the strategy predicts the same"),
         Feature("export_savedmodel", mlp, basic_compile(), after=exported_and_served,
                 summary="model.export (SavedModel), tf.saved_model.load(...).serve"),
+        Feature("custom_loop", mlp, lambda: dict(optimizer=adam(), loss=scce()),
+                loop=custom_loop, epochs=2,
+                summary="custom loop: strategy.run + apply_gradients, loss over the global "
+                        "batch (tf.nn.compute_average_loss)"),
+        Feature("custom_loop_accumulation", mlp,
+                lambda: dict(optimizer=adam(gradient_accumulation_steps=2), loss=scce()),
+                loop=custom_loop, epochs=2,
+                summary="custom loop, optimizer gradient_accumulation_steps=2"),
+        Feature("custom_loop_loss_scale", mlp,
+                lambda: dict(optimizer=keras.optimizers.LossScaleOptimizer(adam()),
+                             loss=scce()),
+                loop=custom_loop, policy="mixed_float16", atol=1e-2, rtol=1e-2,
+                summary='custom loop, set_global_policy("mixed_float16") + '
+                        "LossScaleOptimizer (scale_loss), tolerance 1e-2"),
     ]
     return {feature.name: feature for feature in f}
 
@@ -477,7 +531,9 @@ def _policy(name):
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _fit(model, feature, data, **extra):
+def _fit(model, feature, data, strategy=None, **extra):
+    if feature.loop is not None:
+        return feature.loop(model, strategy, feature, data)
     weights = data.sample_weight if data.fit_sample_weight is None else data.fit_sample_weight
     return model.fit(data.x, data.y, sample_weight=weights,
                      batch_size=feature.batch_size, epochs=feature.epochs, shuffle=False,
@@ -506,7 +562,7 @@ def run(sid, feature, strategy=None):
             model.compile(**feature.compile())
         initial = [np.array(w) for w in model.get_weights()]
         try:
-            history = _fit(model, feature, data)
+            history = _fit(model, feature, data, strategy)
         except Exception as error:  # noqa: BLE001 - annotated and re-raised
             error.iterations_run = int(model.optimizer.iterations.numpy()) \
                 if model.optimizer.built else 0

@@ -29,7 +29,8 @@ is replaced, only inside a replica context of a tfpar strategy:
 - *Gradient accumulation.* Keras' optimizer all-reduces inside a `cond`, which
   TensorFlow refuses (a merge call in control flow). Here gradients are all-reduced
   every step before the `cond`, and the accumulate-or-apply choice runs in
-  cross-replica context.
+  cross-replica context. Every replica's gradients are made its own tensors first, so
+  the sum counts a gradient tensor that all replicas share once per replica.
 """
 
 import contextlib
@@ -303,12 +304,27 @@ def _mean_aggregated_statistics(build):
     return wrapper
 
 
+def _own_tensors(grads):
+    """Each replica's gradients as tensors of its own.
+
+    TensorFlow regroups one tensor object that every replica passes (one made outside
+    `strategy.run` and captured) into a single value, and its all-reduce then returns it
+    unsummed: Keras' sum over replicas would count it once. Keras' own accumulation
+    escapes this by accumulating per replica first (tested in Keras'
+    `optimizer_distribute_test.py::test_gradient_accumulation`).
+    """
+    return [g if g is None else tf.identity(g) for g in grads]
+
+
 def _accumulation_outside_cond(keras_apply):
-    """TFOptimizer._backend_apply_gradients with gradient accumulation under replicas."""
+    """TFOptimizer._backend_apply_gradients under replicas: gradients summed over replicas
+    (each its own tensor, `_own_tensors`), and gradient accumulation outside the `cond`."""
 
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables):
         context = _replica_context("_tfpar_mirrored", min_replicas=1)
+        if context is not None and context.num_replicas_in_sync > 1:
+            grads = _own_tensors(grads)
         steps = self.gradient_accumulation_steps
         if context is None or not steps or self.use_ema:
             return keras_apply(self, grads, trainable_variables)
