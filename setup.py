@@ -2,12 +2,13 @@
 
 from setuptools import find_packages, setup
 
-# Pinned to the versions the test suite runs against; see BUILD_NOTES.md for why.
+# Ranges tested at both ends (BUILD_NOTES.md, .ci/run): a plugin keeps the user's own
+# TensorFlow and Keras. Keep them in step with tfpar.keras.internals.TESTED_WITH.
 INSTALL_REQUIRES = [
-    "tensorflow==2.21.0",
-    "keras==3.15.1",
-    "tensorflow-datasets==4.9.10",
-    "tensorboard==2.21.0",  # TF 2.21 no longer pulls it in; Keras TensorBoard callback needs it
+    "tensorflow>=2.19,<2.22",
+    "keras>=3.10,<3.16",
+    "tensorflow-datasets>=4.9.8,<5",
+    "tensorboard>=2.19,<2.22",  # TF 2.21 no longer pulls it in; Keras TensorBoard callback needs it
     "absl-py>=2.1,<3",
     "numpy>=1.26,<3",
 ]

@@ -18,11 +18,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
 SOURCES = {p: p.read_text() for p in ROOT.rglob("*.py")}
 
 
-def test_pinned_versions_are_the_installed_ones():
-    assert keras.__version__ == internals.TESTED_WITH["keras"]
-    assert tf.__version__ == internals.TESTED_WITH["tensorflow"]
+def test_the_installed_versions_are_in_the_tested_ranges_which_setup_declares():
     setup = (ROOT.parent / "setup.py").read_text()
-    assert f'"keras=={keras.__version__}"' in setup and f'"tensorflow=={tf.__version__}"' in setup
+    for package in ("keras", "tensorflow"):
+        oldest, newest = (internals.release(v) for v in internals.TESTED_WITH[package])
+        assert oldest <= internals.installed(package) <= newest, package
+        declared = re.search(rf'"{package}>=([\d.]+),<([\d.]+)"', setup)
+        assert declared, f"setup.py declares no range for {package}"
+        assert internals.release(declared[1]) == oldest[:len(internals.release(declared[1]))]
+        # The upper bound is the next minor release after the newest tested one.
+        assert internals.release(declared[2]) == (newest[0], newest[1] + 1)
+
+
+def test_a_private_only_newer_releases_have_gives_what_older_ones_mean(monkeypatch):
+    class Old:
+        pass
+
+    monkeypatch.setitem(internals.SINCE, "_layout", ("keras", "99.0.0", None))
+    assert internals.attr(Old(), "_layout") is None  # An older Keras: no own layout.
+    monkeypatch.setitem(internals.SINCE, "_layout", ("keras", "3.0.0", None))
+    with pytest.raises(InternalsError, match=r"_layout.*tested with Keras 3\.10\.0 to"):
+        internals.attr(Old(), "_layout")  # A release that should have it: fails closed.
 
 
 @pytest.mark.parametrize("path", sorted(internals.SYMBOLS))
@@ -69,6 +85,8 @@ def test_every_private_attribute_exists():
                      ("coordinator.values", "RemoteValueImpl")))
     missing = [name for name in internals.ATTRIBUTES
                if not any(hasattr(obj, name) for obj in objects)
+               and not (name in internals.SINCE and internals.installed(
+                   internals.SINCE[name][0]) < internals.release(internals.SINCE[name][1]))
                and f"self.{name} =" not in collective + coordinator]
     assert not missing, f"not found on any reference object: {missing}"
 
@@ -108,11 +126,13 @@ def test_no_private_is_read_with_a_default():
 
 
 def test_a_missing_private_fails_closed_naming_the_versions(monkeypatch):
-    with pytest.raises(InternalsError, match=r"_compile_loss.*Keras 3\.15\.1"):
+    installed = rf"installed: Keras {re.escape(keras.__version__)}, TensorFlow {re.escape(tf.__version__)}"
+    tested = r"tested with Keras 3\.10\.0 to 3\.15\.1 and TensorFlow 2\.19\.0 to 2\.21\.0"
+    with pytest.raises(InternalsError, match=rf"_compile_loss.*{installed}.*{tested}"):
         internals.attr(object(), "_compile_loss")
     monkeypatch.setitem(internals.SYMBOLS, "keras.src.no_such_module.thing", "test")
     internals.symbol.cache_clear()
-    with pytest.raises(InternalsError, match="keras.src.no_such_module.thing.*TensorFlow 2.21.0"):
+    with pytest.raises(InternalsError, match=rf"keras.src.no_such_module.thing.*{tested}"):
         internals.symbol("keras.src.no_such_module.thing")
     with pytest.raises(KeyError, match="manifest"):
         internals.attr(object(), "_not_in_the_manifest")
@@ -178,9 +198,16 @@ def test_a_keras_that_does_not_name_the_layer_being_built_fails_closed(monkeypat
     variable_birth.check_layers_name_themselves()  # The pinned Keras names it.
     get = global_state.get_global_attribute
 
+    class Forgetful(list):  # Keras' scopes still push and pop; nothing is kept.
+        def append(self, item):
+            pass
+
+        def pop(self, *args):
+            return None
+
     def stack_without_callers(name, *args, **kwargs):
         value = get(name, *args, **kwargs)
-        return [] if name == "name_scope_stack" else value
+        return Forgetful() if name == "name_scope_stack" else value
 
     monkeypatch.setattr(global_state, "get_global_attribute", stack_without_callers)
     internals.symbol.cache_clear()

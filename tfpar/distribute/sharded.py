@@ -489,14 +489,18 @@ def _pace_gradients(grads, transfers, window_bytes):
     graph = tf.compat.v1.get_default_graph()
     for position, (i, _, _) in enumerate(transfers):
         grad = grads[i]
-        if (isinstance(grad, tf.IndexedSlices) or grad.op.type not in _WEIGHT_GRADIENT_OPS
-                or grad.op.graph is not graph):
+        if isinstance(grad, tf.IndexedSlices):
+            continue
+        op = grad.op
+        while op.type == "Identity" and op.inputs:  # (Each replica's own copy: the seam's.)
+            op = op.inputs[0].op
+        if op.type not in _WEIGHT_GRADIENT_OPS or op.graph is not graph:
             continue
         in_flight = 0
         for earlier in range(position, -1, -1):
             in_flight += transfers[earlier][2]
             if in_flight > window_bytes and earlier < position:
-                internals.attr(grad.op, "_add_control_input")(transfers[earlier][1])
+                internals.attr(op, "_add_control_input")(transfers[earlier][1])
                 break
 
 

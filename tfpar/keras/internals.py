@@ -1,12 +1,13 @@
 """Every Keras and TensorFlow private that tfpar touches, read so that a change fails closed.
 
-tfpar is tested with the versions in `TESTED_WITH` (pinned in setup.py). Private
-modules, classes and functions are imported with `symbol("keras.src....")`, and
+tfpar is tested at both ends of the ranges in `TESTED_WITH` (setup.py declares them).
+Private modules, classes and functions are imported with `symbol("keras.src....")`, and
 private attributes of Keras or TensorFlow objects are read with `attr(obj, name)`.
-Both raise `InternalsError` naming the installed and the tested versions when the
+Both raise `InternalsError` naming the installed versions and the tested range when the
 private is gone, so a changed Keras stops tfpar with a clear message instead of
 silently changing what it computes. `MANIFEST` lists every private; a test checks
-each one against the pinned versions and checks that tfpar reads no other.
+each one against the installed versions and checks that tfpar reads no other. A private
+that only newer releases have is listed in `SINCE`, with what older ones mean instead.
 
     >>> symbol("keras.src.models.functional.Functional").__name__
     'Functional'
@@ -17,7 +18,9 @@ import importlib
 
 from tfpar.errors import InternalsError
 
-TESTED_WITH = {"keras": "3.15.1", "tensorflow": "2.21.0"}
+# (oldest, newest) release of each that the suite runs on; setup.py allows [oldest, next
+# minor after newest).
+TESTED_WITH = {"keras": ("3.10.0", "3.15.1"), "tensorflow": ("2.19.0", "2.21.0")}
 
 # Private modules, classes and functions (dotted paths), and what tfpar uses them for.
 SYMBOLS = {
@@ -54,7 +57,6 @@ SYMBOLS = {
     "keras.src.models.functional.Functional": "cut functional models into stages",
     "keras.src.models.functional.operation_fn": "run one node of a functional graph",
     "keras.src.models.functional.unpack_singleton": "a functional model's outputs",
-    "keras.src.ops.function.Function": "run a pipeline stage's part of a functional graph",
     "keras.src.optimizers.base_optimizer.BaseOptimizer": "optimizer state of sharded variables",
     "keras.src.trainers.data_adapters.array_slicing.train_validation_split": "validation_split",
     "keras.src.trainers.data_adapters.get_data_adapter": "Keras' input handling",
@@ -167,7 +169,33 @@ ATTRIBUTES = {
     "_add_control_input": "tf.Operation (a zero-bubble W's ops deferred to its turn)",
 }
 
+# Privates that only newer releases have: name -> (package, first release with it, what
+# `attr` gives on older ones, where tfpar does what those releases do).
+SINCE = {
+    # Keras 3.15 gave every variable its own layout (optimizer state takes its variable's);
+    # before, the distribution's LayoutMap decides for each, as tfpar then does.
+    "_layout": ("keras", "3.15.0", None),
+}
+
 MANIFEST = {**SYMBOLS, **ATTRIBUTES}
+
+
+def release(version):
+    """(3, 15, 1) for "3.15.1" (and "3.15.1rc0", "2.21.0-dev")."""
+    import re
+
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def installed(package):
+    """The installed release of "keras" or "tensorflow", e.g. (3, 15, 1)."""
+    module = importlib.import_module(package)
+    return release(module.__version__)
+
+
+def _tested_range(package):
+    oldest, newest = TESTED_WITH[package]
+    return f"{oldest} to {newest}"
 
 
 def _versions():
@@ -175,14 +203,16 @@ def _versions():
     import tensorflow as tf
 
     return (f"installed: Keras {keras.__version__}, TensorFlow {tf.__version__}; tfpar is "
-            f"tested with Keras {TESTED_WITH['keras']}, TensorFlow {TESTED_WITH['tensorflow']}")
+            f"tested with Keras {_tested_range('keras')} and TensorFlow "
+            f"{_tested_range('tensorflow')}")
 
 
 def _missing(what):
     return InternalsError(
         f"tfpar relies on {what}, which this Keras/TensorFlow does not have ({_versions()}). "
-        f"Install the tested versions (pip install keras=={TESTED_WITH['keras']} "
-        f"tensorflow=={TESTED_WITH['tensorflow']}) or a tfpar release made for yours.")
+        f"Install a tested pair (pip install \"keras>={TESTED_WITH['keras'][0]},"
+        f"<={TESTED_WITH['keras'][1]}\" \"tensorflow>={TESTED_WITH['tensorflow'][0]},"
+        f"<={TESTED_WITH['tensorflow'][1]}\") or a tfpar release made for yours.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,6 +244,10 @@ def attr(obj, name):
         raise KeyError(f"{name} is not in tfpar's manifest of privates (internals.ATTRIBUTES).")
     value = getattr(obj, name, _NOTHING)
     if value is _NOTHING:
+        if name in SINCE:
+            package, first, before = SINCE[name]
+            if installed(package) < release(first):
+                return before
         raise _missing(f"the private attribute {type(obj).__name__}.{name}")
     return value
 

@@ -75,27 +75,28 @@ class StageProgram:
         """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
 
         Returns the tensor passed to the next stage, or the model's outputs.
+
+        Each call of the stage in turn, from a dict of computed tensors, as Keras'
+        `Function._run_through_graph` runs a whole graph. (Not a Keras `Function` of the
+        stage: Keras 3.10 maps a Function's graph back past its inputs, so one that
+        starts inside a model is "disconnected".)
         """
+        import keras
+
         operation_fn = internals.symbol("keras.src.models.functional.operation_fn")
         unpack_singleton = internals.symbol("keras.src.models.functional.unpack_singleton")
-        # Keras' own graph runner, on the stage's part of the graph (as Functional.call
-        # runs the whole graph).
-        outputs = internals.attr(self._function(index), "_run_through_graph")(
-            inputs, operation_fn=lambda op: operation_fn(op, training=training))
-        return outputs if self.stages[index].output_tensor is not None else (
-            unpack_singleton(outputs))
-
-    def _function(self, index):
-        """A Keras `Function` from the stage's input(s) to its output(s), made once."""
-        functions = self.__dict__.setdefault("_functions", {})
-        if index not in functions:
-            stage, graph = self.stages[index], self.graph
-            inputs = list(graph.inputs) if index == 0 else [stage.input_tensor]
-            outputs = (stage.output_tensor if stage.output_tensor is not None
-                       else internals.attr(graph, "_outputs_struct"))
-            functions[index] = internals.symbol("keras.src.ops.function.Function")(
-                inputs, outputs, name=f"{graph.name}_stage_{index}")
-        return functions[index]
+        stage = self.stages[index]
+        starts = list(self.graph.inputs) if index == 0 else [stage.input_tensor]
+        values = {id(t): v for t, v in zip(starts, keras.tree.flatten(inputs))}
+        for node in stage.nodes:
+            args, kwargs = node.arguments.fill_in(values)
+            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
+            for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
+                values[id(symbolic)] = value
+        if stage.output_tensor is not None:
+            return values[id(stage.output_tensor)]
+        return unpack_singleton(keras.tree.map_structure(
+            lambda t: values[id(t)], internals.attr(self.graph, "_outputs_struct")))
 
     def call_losses(self, index):
         """Losses the stage's layers added while they last ran (`add_loss`, activity
