@@ -4,12 +4,14 @@ import types
 
 import keras
 
+from tfpar.contract import StrategyHooks
 from tfpar.keras import hooks as keras_seam
 
 
 def _callback(multi_worker, chief):
     extended = types.SimpleNamespace(should_checkpoint=chief)
-    strategy = types.SimpleNamespace(_tfpar_multi_worker=multi_worker, extended=extended)
+    strategy = type("Strategy", (StrategyHooks,), {"_tfpar_multi_worker": multi_worker,
+                                                   "extended": extended})()
     callback = keras.callbacks.Callback()
     callback._model = types.SimpleNamespace(distribute_strategy=strategy)
     return callback

@@ -5,6 +5,7 @@ import math
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
+from tfpar.contract import StrategyHooks
 from tfpar.distribute import group_keys
 from tfpar.distribute import memory
 from tfpar.distribute import multi_worker
@@ -23,7 +24,7 @@ from tfpar.plan import sharding
 from tfpar.plan.communication import check_bytes_per_pack, select_communication
 
 
-class DataParallelStrategy(tf.distribute.MirroredStrategy):
+class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism: one replica per device, gradients all-reduced.
 
     A `tf.distribute.MirroredStrategy` whose all-reduce is chosen for the

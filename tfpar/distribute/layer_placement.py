@@ -33,6 +33,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfpar.contract import StrategyHooks
 from tfpar.errors import PlacementError
 from tfpar.keras import internals
 from tfpar.keras import variable_birth
@@ -40,7 +41,7 @@ from tfpar.keras import variable_birth
 _local = threading.local()
 
 
-class PlacingStrategy:
+class PlacingStrategy(StrategyHooks):
     """Mixin of the strategies that place a model's layers on devices.
 
     The strategy defines `_lock` (an RLock), `_default_home` (the devices of a variable of

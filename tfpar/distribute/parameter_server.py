@@ -26,6 +26,7 @@ import uuid
 
 import tensorflow as tf
 
+from tfpar.contract import StrategyHooks
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.cluster.probe import answers, listening, require_reachable
@@ -38,7 +39,7 @@ from tfpar.errors import ClusterError
 
 
 
-class ParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.ParameterServerStrategy):
     """Parameter-server training whose Keras `fit`/`evaluate`/`predict` work.
 
     Run the program on the chief of a cluster with workers and ps tasks, which

@@ -45,6 +45,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.distribute import group_keys
 from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
@@ -152,7 +153,7 @@ def slot_on_owner(strategy, next_creator, kwargs, local_devices, first_replica):
     on a worker that does not own it); None for any other variable. `local_devices`:
     this worker's replica devices, the first being replica `first_replica`."""
     reference = kwargs.get("colocate_with")
-    if not (getattr(strategy, "_tfpar_shard_stage", 0) and reference is not None
+    if not (hooks_of(strategy)._tfpar_shard_stage and reference is not None
             and _is_sharded(strategy, reference)):
         return None
     kwargs = {k: v for k, v in kwargs.items() if k != "colocate_with"}
@@ -462,7 +463,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
 def paces_gradients(strategy):
     """Whether `strategy`'s backward pass waits for gradient transfers (`_pace_gradients`):
     ZeRO stages 1-2 across workers on CPUs."""
-    collectives = getattr(strategy, "_tfpar_shard_collectives", None)
+    collectives = hooks_of(strategy)._tfpar_shard_collectives
     return (strategy._tfpar_shard_stage in (1, 2) and collectives is not None
             and collectives.kind == "pairwise")
 

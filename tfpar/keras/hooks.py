@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 
 _lock = threading.Lock()
@@ -37,7 +38,7 @@ def _is_non_chief_worker(callback):
     model = callback.model
     internals.check(model is not None, "keras.callbacks.Callback.model set during fit")
     strategy = model.distribute_strategy
-    return bool(getattr(strategy, "_tfpar_multi_worker", False)
+    return bool(hooks_of(strategy)._tfpar_multi_worker
                 and not strategy.extended.should_checkpoint)
 
 
@@ -45,7 +46,7 @@ def _chief_only(method):
     def wrapper(self, *args, **kwargs):
         if not _is_non_chief_worker(self):
             return method(self, *args, **kwargs)
-        if not getattr(self.model.distribute_strategy, "_tfpar_every_worker_saves", False):
+        if not hooks_of(self.model.distribute_strategy)._tfpar_every_worker_saves:
             return None
         # Sharded state: saving gathers it from every worker, so every worker saves; the
         # others write to a directory thrown away after (as TensorFlow's multi-worker
@@ -79,10 +80,10 @@ def _writing_elsewhere(callback):
 def _restored_by_the_chief(load_model):
     def wrapper(self):
         strategy = self.model.distribute_strategy
-        broadcast = getattr(strategy, "_tfpar_broadcast_from_chief", None)
+        broadcast = hooks_of(strategy)._tfpar_broadcast_from_chief
         if broadcast is None:
             return load_model(self)
-        if getattr(strategy, "_tfpar_every_worker_saves", False):
+        if hooks_of(strategy)._tfpar_every_worker_saves:
             # Sharded state: each worker reads the chief's backup for what it owns.
             strategy._tfpar_check_backup_everywhere(internals.attr(self, "_weights_path"))
             return load_model(self)
@@ -246,7 +247,7 @@ def _explaining_cluster_errors(method):
 
         # A strategy that can tell a task gone silent (a pipeline's stage workers) watches
         # while the call runs: TensorFlow would wait for such a task without end.
-        watching = getattr(self.distribute_strategy, "_tfpar_watching", None)
+        watching = hooks_of(self.distribute_strategy)._tfpar_watching
         try:
             with watching() if watching is not None else contextlib.nullcontext():
                 return method(self, *args, **kwargs)
@@ -326,8 +327,7 @@ def install_model_call_hook():
 
     def wrap(model_call):
         def __call__(self, *args, **kwargs):
-            hook = getattr(internals.attr(self, "_distribute_strategy"),
-                           "_tfpar_before_model_call", None)
+            hook = hooks_of(internals.attr(self, "_distribute_strategy"))._tfpar_before_model_call
             if hook is not None:
                 hook(self, args, kwargs)
             return model_call(self, *args, **kwargs)
@@ -350,7 +350,7 @@ def install_train_step_hook():
 
     def wrap(train_step):
         def wrapper(self, data):
-            step = getattr(internals.attr(self, "_distribute_strategy"), "_tfpar_train_step", None)
+            step = hooks_of(internals.attr(self, "_distribute_strategy"))._tfpar_train_step
             if step is not None:
                 return step(self, data)
             return train_step(self, data)

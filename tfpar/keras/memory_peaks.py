@@ -2,6 +2,7 @@
 
 import keras
 
+from tfpar.contract import hooks_of
 from tfpar import memory_probe
 
 
@@ -45,7 +46,6 @@ def _planned_peak(model):
     from tfpar.plan import memory as plan
 
     strategy = getattr(model, "distribute_strategy", None)
-    if strategy is None or not hasattr(strategy, "_tfpar_memory_config") \
-            or not model.trainable_weights:
+    if hooks_of(strategy)._tfpar_memory_config is None or not model.trainable_weights:
         return None
     return plan.estimate_memory(model, strategy).peak

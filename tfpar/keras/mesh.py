@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.contract import hooks_of
 from tfpar.distribute import mesh as mesh_lib
 from tfpar.keras import hooks
 from tfpar.keras import internals
@@ -114,8 +115,7 @@ def _following_strategy(keras_set_distribution):
         strategy = _strategy_for(value)
         if tf.distribute.has_strategy() and tf.distribute.get_strategy() is strategy:
             return
-        if strategy is not None or getattr(tf.distribute.get_strategy(), "_tfpar_from_keras",
-                                           False):
+        if strategy is not None or hooks_of(tf.distribute.get_strategy())._tfpar_from_keras:
             if strategy is not None:
                 strategy._tfpar_from_keras = True
             tf.distribute.experimental_set_strategy(strategy)

@@ -24,6 +24,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 
 _MUTEXES = weakref.WeakKeyDictionary()
@@ -32,7 +33,7 @@ _RELEASED = weakref.WeakKeyDictionary()  # graph -> the release of its last lock
 
 def uses_parameter_servers(strategy):
     """Whether `strategy` is a tfpar ParameterServerStrategy."""
-    return getattr(strategy, "_tfpar_parameter_server", False)
+    return hooks_of(strategy)._tfpar_parameter_server
 
 
 def in_worker_step():

@@ -39,6 +39,7 @@ import threading
 
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 from tfpar.keras import steps
 
@@ -69,7 +70,7 @@ def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
     """
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return None
-    if not getattr(tf.distribute.get_strategy(), marker, False):
+    if not getattr(hooks_of(tf.distribute.get_strategy()), marker):
         return None
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync < min_replicas:
@@ -286,7 +287,7 @@ def _mean_aggregated_statistics(build):
 
     @functools.wraps(build)
     def wrapper(self, *args, **kwargs):
-        if not getattr(tf.distribute.get_strategy(), "_tfpar_exact_replicas", False):
+        if not hooks_of(tf.distribute.get_strategy())._tfpar_exact_replicas:
             return build(self, *args, **kwargs)
         add_weight = self.add_weight
 
@@ -331,7 +332,7 @@ def _accumulation_outside_cond(keras_apply):
         index = internals.attr(self, "_get_variable_index")
         accumulators = [internals.attr(self, "_accumulated_gradients")[index(v)]
                         for v in trainable_variables]
-        if getattr(context.strategy, "_tfpar_shard_stage", 0):
+        if hooks_of(context.strategy)._tfpar_shard_stage:
             # Sharded state: each owner accumulates its own reduced gradients.
             from tfpar.keras import sharded
             return sharded.accumulate_sharded(self, context.strategy, grads,
@@ -416,7 +417,7 @@ def _updates_in_turn(keras_update_step):
 
     @functools.wraps(keras_update_step)
     def update_step(self, distribution, grads_and_vars, learning_rate):
-        if not (getattr(distribution, "_tfpar_updates_in_turn", False)
+        if not (hooks_of(distribution)._tfpar_updates_in_turn
                 and tf.inside_function()):
             return keras_update_step(self, distribution, grads_and_vars, learning_rate)
 
@@ -462,7 +463,7 @@ def _build_from_one_replica(keras_build):
     @functools.wraps(keras_build)
     def build(self, iterator=None, data_batch=None):
         strategy = internals.attr(self, "_distribute_strategy")
-        if iterator is None or not getattr(strategy, "_tfpar_mirrored", False):
+        if iterator is None or not hooks_of(strategy)._tfpar_mirrored:
             return keras_build(self, iterator=iterator, data_batch=data_batch)
         specs = _batch_specs(iterator)
         if specs is not None:
@@ -492,11 +493,11 @@ def _refused_before_the_first_step(keras_make_function):
     @functools.wraps(keras_make_function)
     def make_function(self, step_function):
         strategy = internals.attr(self, "_distribute_strategy")
-        refusal = getattr(strategy, "_tfpar_xla_refusal", None)
+        refusal = hooks_of(strategy)._tfpar_xla_refusal
         message = refusal(self) if refusal is not None and self.jit_compile else None
         if message and not self.run_eagerly:
             raise ValueError(message)
-        refusal = getattr(strategy, "_tfpar_step_refusal", None)
+        refusal = hooks_of(strategy)._tfpar_step_refusal
         message = refusal(self, step_function) if refusal is not None else None
         if message:
             raise ValueError(message)

@@ -13,12 +13,13 @@ import threading
 
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 
 
 def _shard_stage(optimizer):
     strategy = internals.attr(optimizer, "_distribution_strategy")
-    return getattr(strategy, "_tfpar_shard_stage", 0), strategy
+    return hooks_of(strategy)._tfpar_shard_stage, strategy
 
 
 def _refusal(optimizer, shard):
@@ -240,7 +241,7 @@ def _recomputed(function):
 
 def _gathers_parameters():
     strategy = tf.distribute.get_strategy()
-    return bool(getattr(strategy, "_tfpar_gathers_parameters", False))
+    return bool(hooks_of(strategy)._tfpar_gathers_parameters)
 
 
 def _remat_with_keyword_arguments(keras_remat):

@@ -23,6 +23,7 @@ built or called, then the metric, optimizer or seed generator creating the varia
 import contextlib
 import threading
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 
 _local = threading.local()
@@ -138,7 +139,7 @@ def _ask(variable):
     import tensorflow as tf
 
     strategy = tf.distribute.get_strategy()
-    ask = getattr(strategy, "_tfpar_variable_home", None)
+    ask = hooks_of(strategy)._tfpar_variable_home
     if ask is None:
         return None, None
     return strategy, ask(variable, callers())
@@ -187,8 +188,7 @@ def _stored_before_written(direct_assign):
 def _announced_to_the_strategy(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        announce = getattr(internals.attr(self, "_distribute_strategy"),
-                           "_tfpar_model_created", None)
+        announce = hooks_of(internals.attr(self, "_distribute_strategy"))._tfpar_model_created
         if announce is not None:
             announce(self)
     return wrapper

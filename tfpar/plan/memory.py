@@ -25,6 +25,7 @@ import dataclasses
 import math
 import numbers
 
+from tfpar.contract import hooks_of
 from tfpar.plan import sharding
 from tfpar.plan.placement import (LayerCost, _table, balanced_placement, device_totals,
                                   format_bytes)
@@ -265,7 +266,7 @@ def estimate_memory(model_or_spec, strategy_or_config, largest_variable=None):
     10.0
     """
     config = strategy_or_config
-    describe = getattr(config, "_tfpar_memory_config", None)  # A tfpar strategy.
+    describe = hooks_of(config)._tfpar_memory_config  # A tfpar strategy.
     if describe is not None:
         config = describe(optimizer_slots=compiled_optimizer_slots(model_or_spec))
     if not isinstance(config, MemoryConfig):

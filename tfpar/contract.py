@@ -1,0 +1,96 @@
+"""What the Keras seam asks of a strategy: every hook, with what it means and its default.
+
+tfpar's strategies inherit `StrategyHooks` and override the hooks they need; any other
+strategy (stock `tf.distribute`, or none) answers with the defaults. The seam and the
+planner read hooks only through `hooks_of(strategy)`, so a misspelt hook is an
+AttributeError, not a behaviour silently turned off (`tests/test_contract.py` checks that
+every hook a strategy defines, and every hook the seam reads, is declared here).
+Plain Python: the planner (`tfpar.plan`) imports it too.
+
+    >>> import tensorflow as tf
+    >>> hooks_of(tf.distribute.get_strategy())._tfpar_shard_stage
+    0
+"""
+
+
+class StrategyHooks:
+    """The strategy side of the contract between tfpar's strategies and its Keras seam.
+
+    Flags (class attributes) say what the strategy is; methods are asked at given points;
+    a hook left None means "do what Keras does".
+    """
+
+    # -- What the strategy is ------------------------------------------------------------
+    # Replicas each run Keras' own step on a part of the batch: losses normalized over the
+    # global batch, BatchNorm statistics averaged, call losses per replica.
+    _tfpar_exact_replicas = False
+    # A mirrored strategy of tfpar's (data parallelism, pipelines): gradient accumulation
+    # outside Keras' cond, each replica's gradients its own tensors.
+    _tfpar_mirrored = False
+    # Replicas on several TF_CONFIG workers: file-writing callbacks on the chief only.
+    _tfpar_multi_worker = False
+    # Parameter-server training: fit, evaluate and predict through a ClusterCoordinator.
+    _tfpar_parameter_server = False
+    # Optimizer updates one variable after another (a device holds one update's temporaries).
+    _tfpar_updates_in_turn = False
+    # A replica's gradients live on its layers' devices (pipelines, model parallelism).
+    _tfpar_replica_spans_devices = False
+    # ZeRO stage (0: unsharded, 1 optimizer state, 2 gradients, 3 parameters).
+    _tfpar_shard_stage = 0
+    # Under stage 3 across workers: a variable read is a gather from its owner.
+    _tfpar_gathers_parameters = False
+    # Saving sharded state fetches it from every worker: all of them save together.
+    _tfpar_every_worker_saves = False
+    # Made by tfpar for a keras.distribution.DataParallel (tfpar.use_keras_distribution).
+    _tfpar_from_keras = False
+    # ZeRO's owners of each variable's state (`tfpar.distribute.sharded.ShardOwners`).
+    _tfpar_shard_owners = None
+    # ZeRO's collectives across workers (`tfpar.distribute.sharded.ShardCollectives`).
+    _tfpar_shard_collectives = None
+
+    # -- Asked at given points (None: Keras' own behaviour) ---------------------------------
+    # (variable, callers) -> the devices of a variable's storage, before it is made.
+    _tfpar_variable_home = None
+    # (variable) -> None: a variable without storage is used for the first time.
+    _tfpar_first_use = None
+    # (model) -> None: a Keras model was created under the strategy's scope.
+    _tfpar_model_created = None
+    # (model, args, kwargs) -> None: before every call of a model made under the scope.
+    _tfpar_before_model_call = None
+    # (model, data) -> logs: the strategy builds the training step itself (pipelines).
+    _tfpar_train_step = None
+    # (model) -> an error message, or None: refuse `jit_compile=True` before a step.
+    _tfpar_xla_refusal = None
+    # (model, step_function) -> an error message, or None: refuse a step before it is built.
+    _tfpar_step_refusal = None
+    # (optimizer, grads, variables, learning_rate, ...) -> None: ZeRO's sharded update.
+    _tfpar_sharded_update = None
+    # (optimizer, ...) -> ZeRO's gradient accumulation (`sharded.Accumulation`).
+    _tfpar_accumulation = None
+    # (optimizer) -> each optimizer variable's whole value in turn, fetched from its owner.
+    _tfpar_full_optimizer_state = None
+    # (variables) -> None: BackupAndRestore resumed on the chief; the others take its values.
+    _tfpar_broadcast_from_chief = None
+    # (path) -> None: check that every worker sees the backup directory (a shared disk).
+    _tfpar_check_backup_everywhere = None
+    # () -> a context manager entered around fit, evaluate and predict.
+    _tfpar_watching = None
+    # (error) -> a clearer error, or None: fit/evaluate/predict ended with a lost task.
+    _tfpar_explain_lost_task = None
+    # (error) -> a clearer error, or None: a collective timed out.
+    _tfpar_explain_timeout = None
+    # (optimizer_slots=2) -> tfpar.plan.MemoryConfig describing the strategy's layout.
+    _tfpar_memory_config = None
+
+
+_DEFAULTS = StrategyHooks()
+
+
+def hooks_of(strategy):
+    """`strategy` if it is one of tfpar's, else the defaults (stock strategies, None)."""
+    return strategy if isinstance(strategy, StrategyHooks) else _DEFAULTS
+
+
+def declared_hooks():
+    """The names of every hook, in declaration order."""
+    return [name for name in vars(StrategyHooks) if name.startswith("_tfpar_")]
