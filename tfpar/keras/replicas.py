@@ -240,14 +240,13 @@ def _activity_sums_marked(keras_call):
     @functools.wraps(keras_call)
     def __call__(self, *args, **kwargs):
         outputs = keras_call(self, *args, **kwargs)
-        if self.activity_regularizer is None or internals.symbol(
-                "keras.src.backend.common.stateless_scope.in_stateless_scope")():
-            return outputs  # (In a stateless scope Keras collects losses in the scope.)
+        if self.activity_regularizer is None:
+            return outputs
         import keras
 
         count = sum(1 for t in keras.tree.flatten(outputs) if keras.ops.is_tensor(t))
-        if count:
-            for loss in call_losses(self)[-count:]:
+        if count:  # This replica's losses, or a StatelessScope's (a pipeline's remat rerun).
+            for loss in internals.attr(self, "_get_own_losses")()[-count:]:
                 mark_batch_sum(loss)
         return outputs
 
