@@ -263,9 +263,19 @@ def _batch_sums_unscaled(keras_aggregate):
         if not (is_batch_sum(loss) and _under_tfpar()):
             return keras_aggregate(self, loss)
         trainer = internals.symbol("keras.src.trainers.trainer.Trainer")
-        return internals.attr(trainer, "_aggregate_additional_loss")(self, loss)
+        total = internals.attr(trainer, "_aggregate_additional_loss")(self, loss)
+        share = getattr(_local, "share", None)
+        return total if share is None else total / tf.cast(share, total.dtype)
 
     return _aggregate_additional_loss
+
+
+def weighed_as_part(share):
+    """Meanwhile, in this thread, a loss being computed is one part's (a micro-batch's under
+    a custom `compute_loss`), which its caller multiplies by `share`: the sums over the
+    part's examples it adds through `_aggregate_additional_loss` are divided by `share`
+    here, so that they count once."""
+    return thread_setting(_local, "share", share)
 
 
 def _global_mean(keras_reduce):

@@ -372,10 +372,11 @@ class TrainStep:
                 for snapshot in earlier:
                     self.program.restore_losses(snapshot or ())
                 self._tape_of_last_stage.watch(self._earlier_aux(m))
-            loss = internals.attr(model, "_compute_loss")(
-                x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
-                sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
+            with replicas.weighed_as_part(factor):  # Sums over the batch count once.
+                loss = internals.attr(model, "_compute_loss")(
+                    x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
+                    sample_weight=self.weight_parts[m], training=True)
         elif internals.attr(model, "_compile_loss") is not None:
             loss = internals.attr(model, "_compile_loss")(
                 self.y_parts[m], y_pred, self.weight_parts[m])
