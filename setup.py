@@ -10,6 +10,9 @@ INSTALL_REQUIRES = [
     "tensorflow-datasets>=4.9.8,<5",
     "tensorboard>=2.19,<2.22",  # TF 2.21 no longer pulls it in; Keras TensorBoard callback needs it
     "absl-py>=2.1,<3",
+    # PipelineStrategy.trace draws its timeline PNG (tfpar.viz); TensorBoard 2.20+ pulls
+    # Pillow in, 2.19 does not.
+    "pillow>=9.2,<14",
     "numpy>=1.26,<3",
 ]
 

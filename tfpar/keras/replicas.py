@@ -26,6 +26,12 @@ is replaced, only inside a replica context of a tfpar strategy:
   functions TensorFlow traces in turns: once a replica waits for the others (the
   all-reduce above, or synchronized BatchNorm), the next one's forward replaces the list
   and the first then reads the other replica's losses. Here each replica has its own.
+- *Activity regularizers before Keras 3.14.* Keras 3.14 divides a layer's activity
+  regularizer loss by its batch size, a mean like every other loss added in call; before,
+  it is the regularizer of the whole output, a sum over the examples. A sum over a part
+  of the batch is its share of the batch's sum as it is: Keras' 1/replicas scaling (and
+  tfpar's weighing of batch parts) would divide it. Here, on those releases, the losses
+  an activity regularizer adds are marked as sums (`is_batch_sum`) and added unscaled.
 - *Gradient accumulation.* Keras' optimizer all-reduces inside a `cond`, which
   TensorFlow refuses (a merge call in control flow). Here gradients are all-reduced
   every step before the `cond`, and the accumulate-or-apply choice runs in
@@ -36,6 +42,7 @@ is replaced, only inside a replica context of a tfpar strategy:
 import contextlib
 import functools
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -45,6 +52,11 @@ from tfpar.keras import steps
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _local = threading.local()
+# First Keras release whose activity-regularizer losses are means over the batch (Layer.__call__
+# divides them by the batch size); before, they are sums over it.
+ACTIVITY_MEANS_SINCE = "3.14.0"
+_BATCH_SUM = "_tfpar_batch_sum"
+_batch_sums = {}  # id -> True, for tensors that take no attribute (dropped with the tensor).
 
 
 def replica_id():
@@ -174,6 +186,97 @@ def set_call_losses(layer, losses):
     """Replaces the losses `layer` added in its last call (see `call_losses`)."""
     target = _own_losses(layer) if _per_replica() else internals.attr(layer, "_losses")
     target[:] = losses
+
+
+def activity_losses_are_sums():
+    """Whether the installed Keras adds activity-regularizer losses as sums over the batch
+    (before 3.14) rather than means."""
+    return internals.installed("keras") < internals.release(ACTIVITY_MEANS_SINCE)
+
+
+def mark_batch_sum(loss):
+    """Marks `loss` (a loss added in call) as a sum over its batch's examples."""
+    try:
+        setattr(loss, _BATCH_SUM, True)
+    except AttributeError:
+        _batch_sums[id(loss)] = True
+        weakref.finalize(loss, _batch_sums.pop, id(loss), None)
+    return loss
+
+
+def is_batch_sum(loss):
+    """Whether `loss` (a loss added in call) is a sum over its batch's examples (an activity
+    regularizer's before Keras 3.14), not a mean."""
+    return bool(getattr(loss, _BATCH_SUM, False) or _batch_sums.get(id(loss), False))
+
+
+def call_loss_share(loss, share):
+    """The weight of a part's loss added in call in its batch's loss: `share` (the part's
+    share of the examples) for a mean over the part, 1 for a sum over it."""
+    return 1.0 if is_batch_sum(loss) else share
+
+
+def batch_call_loss(parts, shares):
+    """One loss added in call for a batch, from its parts' (one per part, with their shares):
+    means weighted by the shares, sums added (and marked a sum)."""
+    total = tf.add_n([tf.cast(loss * tf.cast(call_loss_share(loss, share), loss.dtype),
+                              loss.dtype) for loss, share in zip(parts, shares)])
+    return mark_batch_sum(total) if all(is_batch_sum(loss) for loss in parts) else total
+
+
+def _under_tfpar():
+    """Whether a tfpar strategy that splits batches (replicas, micro-batches, parameter-server
+    parts) is in scope."""
+    if not tf.distribute.has_strategy():
+        return False
+    strategy = tf.distribute.get_strategy()
+    return bool(getattr(strategy, "_tfpar_exact_replicas", False)
+                or getattr(strategy, "_tfpar_parameter_server", False))
+
+
+def _activity_sums_marked(keras_call):
+    """Layer.__call__ before Keras 3.14: the losses its activity regularizer adds (one per
+    output tensor, the last losses the call adds) are marked as sums over the batch."""
+
+    @functools.wraps(keras_call)
+    def __call__(self, *args, **kwargs):
+        outputs = keras_call(self, *args, **kwargs)
+        if self.activity_regularizer is None:
+            return outputs
+        import keras
+
+        count = sum(1 for t in keras.tree.flatten(outputs) if keras.ops.is_tensor(t))
+        if count:  # This replica's losses, or a StatelessScope's (a pipeline's remat rerun).
+            for loss in internals.attr(self, "_get_own_losses")()[-count:]:
+                mark_batch_sum(loss)
+        return outputs
+
+    return __call__
+
+
+def _batch_sums_unscaled(keras_aggregate):
+    """TensorFlowTrainer._aggregate_additional_loss: a loss that is a sum over the batch
+    (`is_batch_sum`) is not scaled by 1/replicas under tfpar: the replicas' (or parts')
+    sums add up to the batch's."""
+
+    @functools.wraps(keras_aggregate)
+    def _aggregate_additional_loss(self, loss):
+        if not (is_batch_sum(loss) and _under_tfpar()):
+            return keras_aggregate(self, loss)
+        trainer = internals.symbol("keras.src.trainers.trainer.Trainer")
+        total = internals.attr(trainer, "_aggregate_additional_loss")(self, loss)
+        share = getattr(_local, "share", None)
+        return total if share is None else total / tf.cast(share, total.dtype)
+
+    return _aggregate_additional_loss
+
+
+def weighed_as_part(share):
+    """Meanwhile, in this thread, a loss being computed is one part's (a micro-batch's under
+    a custom `compute_loss`), which its caller multiplies by `share`: the sums over the
+    part's examples it adds through `_aggregate_additional_loss` are divided by `share`
+    here, so that they count once."""
+    return thread_setting(_local, "share", share)
 
 
 def _global_mean(keras_reduce):
@@ -535,7 +638,11 @@ def patches():
     loss_module = internals.symbol("keras.src.losses.loss")
     optimizer = internals.symbol("keras.src.backend.tensorflow.optimizer.TFOptimizer")
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
-    return [
+    before_activity_means = [
+        (keras.layers.Layer, "__call__", _activity_sums_marked),
+        (trainer, "_aggregate_additional_loss", _batch_sums_unscaled),
+    ] if activity_losses_are_sums() else []
+    return before_activity_means + [
         (trainer, "_maybe_symbolic_build", _build_from_one_replica),
         (trainer, "_make_function", _refused_before_the_first_step),
         (loss_module, "reduce_weighted_values", _global_mean),

@@ -9,7 +9,7 @@ first op's start to its last op's end.
 
 Spans are `(label, device_row, start_seconds, end_seconds)`; rows are devices
 (one per pipeline replica and stage). The JSON opens in chrome://tracing or
-Perfetto; the picture is drawn with Pillow (which TensorBoard already installs).
+Perfetto; the picture is drawn with Pillow (a dependency of tfpar).
 """
 
 import glob

@@ -29,9 +29,10 @@ over all replicas' examples (an epoch's last batch splits into micro-batches tha
 differ by one example, and replicas that differ too), or its sum of sample weights
 over the global sum for `mean_with_sample_weight`. The summed gradients are then
 those of the mean over the whole global batch. A loss with reduction "sum" is not
-scaled. Losses added in `call` (activity regularizers, normalized by batch size)
-are scaled by the examples' share; weight regularizers are added once per step, by
-the stage that owns the layer. A custom `compute_loss` is scaled by the examples'
+scaled. Losses added in `call` (activity regularizers, normalized by batch size
+since Keras 3.14) are scaled by the examples' share, but not those that are sums
+over the batch (activity regularizers before 3.14, `replicas.is_batch_sum`); weight
+regularizers are added once per step, by the stage that owns the layer. A custom `compute_loss` is scaled by the examples'
 share, and the call losses of earlier stages it reads get their gradient from it.
 
 *Rematerialization.* With `remat`, F(s, m) runs without a tape and keeps only its
@@ -340,7 +341,7 @@ class TrainStep:
                 return y, [y] + [t for _, losses in snapshot for t in losses]
         else:
             aggregate = internals.attr(self.model, "_aggregate_additional_loss")
-            aux = [tf.cast(aggregate(l), tf.float32) * self.shares[m]
+            aux = [tf.cast(aggregate(l), tf.float32) * replicas.call_loss_share(l, self.shares[m])
                    for l in self.program.call_losses(s)]
         if not last:
             if not rerun:
@@ -371,10 +372,11 @@ class TrainStep:
                 for snapshot in earlier:
                     self.program.restore_losses(snapshot or ())
                 self._tape_of_last_stage.watch(self._earlier_aux(m))
-            loss = internals.attr(model, "_compute_loss")(
-                x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
-                sample_weight=self.weight_parts[m], training=True)
             factor = self.shares[m]
+            with replicas.weighed_as_part(factor):  # Sums over the batch count once.
+                loss = internals.attr(model, "_compute_loss")(
+                    x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
+                    sample_weight=self.weight_parts[m], training=True)
         elif internals.attr(model, "_compile_loss") is not None:
             loss = internals.attr(model, "_compile_loss")(
                 self.y_parts[m], y_pred, self.weight_parts[m])
@@ -605,8 +607,9 @@ def _merge_micro_batch_losses(program, shares):
     """Each layer's call losses of the M micro-batches -> one loss for the batch.
 
     Losses added in `call` (activity regularizers, which Keras divides by the batch
-    size; `add_loss` terms) are per-batch means: the batch's is the micro-batches'
-    mean weighted by their shares. Left as they were, M terms would count M times in
+    size since 3.14; `add_loss` terms) are per-batch means: the batch's is the
+    micro-batches' mean weighted by their shares. Sums over the batch (activity
+    regularizers before Keras 3.14) are added. Left as they were, M terms would count M times in
     `evaluate` and in a user's loop over `model.losses`.
     """
     in_stateless_scope = internals.symbol(
@@ -624,7 +627,6 @@ def _merge_micro_batch_losses(program, shares):
                 if not losses or len(losses) % m:
                     continue
                 k = len(losses) // m  # Terms per call, in call order.
-                replicas.set_call_losses(sub, [tf.add_n([tf.cast(losses[i * k + j] * tf.cast(
-                    shares[i], losses[i * k + j].dtype), losses[i * k + j].dtype)
-                    for i in range(m)]) for j in range(k)])
+                replicas.set_call_losses(sub, [replicas.batch_call_loss(
+                    [losses[i * k + j] for i in range(m)], shares) for j in range(k)])
 
