@@ -46,6 +46,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfpar import errors as tfpar_errors
 from tfpar.contract import hooks_of
 from tfpar.keras import internals
 from tfpar.keras import steps
@@ -556,6 +557,11 @@ def _batch_specs(epoch_iterator):
     return specs
 
 
+_TFPAR_ERRORS = tuple(cls for cls in vars(tfpar_errors).values()
+                      if isinstance(cls, type) and issubclass(cls, Exception)
+                      and cls.__module__ == tfpar_errors.__name__)
+
+
 def _build_from_one_replica(keras_build):
     """TensorFlowTrainer._maybe_symbolic_build: shapes from replica 0's part of the batch.
 
@@ -565,6 +571,18 @@ def _build_from_one_replica(keras_build):
 
     @functools.wraps(keras_build)
     def build(self, iterator=None, data_batch=None):
+        try:
+            return build_from_one_replica(self, iterator, data_batch)
+        except RuntimeError as error:
+            # Keras before 3.15 wraps any error of its symbolic build in a RuntimeError
+            # ("Unable to automatically build the model"): tfpar's refusals (a PlacementError
+            # for a subclassed model in a pipeline, ...) surface as themselves, as on 3.15.
+            wrapped = error.__cause__ or error.__context__  # (3.10 raises inside except.)
+            if isinstance(wrapped, _TFPAR_ERRORS):
+                raise wrapped from error
+            raise
+
+    def build_from_one_replica(self, iterator, data_batch):
         strategy = internals.attr(self, "_distribute_strategy")
         if iterator is None or not hooks_of(strategy)._tfpar_mirrored:
             return keras_build(self, iterator=iterator, data_batch=data_batch)
