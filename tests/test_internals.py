@@ -67,7 +67,8 @@ def _objects():
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
                      keras.layers.BatchNormalization(),
                      keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
-                     internals.symbol("keras.src.saving.saving_lib")]
+                     internals.symbol("keras.src.saving.saving_lib"),
+                     internals.symbol("keras.src.backend.tensorflow.distribution_lib")]
     return model_objects
 
 
