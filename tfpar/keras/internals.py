@@ -333,12 +333,26 @@ def attr(obj, name):
     return value
 
 
-def set_attr(obj, name, value, like=None):
+def set_attr(obj, name, value, like=None, set_by=None):
     """Writes the private attribute `obj.name` (listed in ATTRIBUTES), which must exist
-    already (on `like` instead, an object of the kind that has it, when `obj` is new): a
-    renamed private fails closed instead of being written for nothing."""
-    attr(obj if like is None else like, name)
+    already: a renamed private fails closed instead of being written for nothing. When `obj`
+    does not have it yet, it is checked on `like` (an object of the kind that has it), or in
+    `set_by` (the Keras or TensorFlow method tfpar does the work of), which must set it."""
+    if set_by is not None:
+        if name not in ATTRIBUTES:
+            raise KeyError(f"{name} is not in tfpar's manifest of privates "
+                           f"(internals.ATTRIBUTES).")
+        check(_sets(set_by, name), f"{set_by.__qualname__} setting self.{name}")
+    else:
+        attr(obj if like is None else like, name)
     setattr(obj, name, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _sets(function, name):
+    import inspect
+
+    return f"self.{name} =" in inspect.getsource(function)
 
 
 def _owner_name(owner):

@@ -224,7 +224,7 @@ def _laid_out(keras_initialize):
             return keras_initialize(self, value)
         internals.set_attr(self, "_layout", layout)
         internals.set_attr(self, "_value", mesh_lib.runtime_of(layout.device_mesh).variable(
-            value, layout.axes, self.name, trainable=self.trainable))
+            value, layout.axes, self.name, trainable=self.trainable), set_by=keras_initialize)
         self._value._tfpar_distribution = keras.distribution.distribution()
         return None
 

@@ -145,9 +145,11 @@ def _ask(variable):
 
 
 def _keep_pending(variable, initializer, strategy):
-    # The state Keras gives the variables it creates in a StatelessScope.
-    internals.set_attr(variable, "_value", None)
-    internals.set_attr(variable, "_initializer", _Initializer(initializer, variable, strategy))
+    # The state Keras gives the variables it creates in a StatelessScope (in __init__).
+    init = internals.symbol("keras.src.backend.tensorflow.core.Variable").__init__
+    internals.set_attr(variable, "_value", None, set_by=init)
+    internals.set_attr(variable, "_initializer", _Initializer(initializer, variable, strategy),
+                       set_by=init)
 
 
 def _home_scope(home):
