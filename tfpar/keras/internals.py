@@ -9,6 +9,11 @@ silently changing what it computes. `MANIFEST` lists every private; a test check
 each one against the installed versions and checks that tfpar reads no other. A private
 that only newer releases have is listed in `SINCE`, with what older ones mean instead.
 
+Beyond reads: a private written is written with `set_attr` (it must be there already); a
+private that a tfpar subclass overrides is listed in `OVERRIDES` and its class decorated
+with `overrides` (checked when the class is made); and every Keras attribute that
+`hooks._wrap_once` wraps is listed in `WRAPS` and got through `wrapped`. Each fails closed.
+
     >>> symbol("keras.src.models.functional.Functional").__name__
     'Functional'
 """
