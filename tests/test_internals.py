@@ -67,7 +67,8 @@ def _objects():
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
                      keras.layers.BatchNormalization(),
                      keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
-                     internals.symbol("keras.src.saving.saving_lib")]
+                     internals.symbol("keras.src.saving.saving_lib"),
+                     internals.symbol("keras.src.backend.tensorflow.distribution_lib")]
     return model_objects
 
 
@@ -217,3 +218,206 @@ def test_a_keras_that_does_not_name_the_layer_being_built_fails_closed(monkeypat
     finally:
         monkeypatch.undo()
         internals.symbol.cache_clear()
+
+
+# --- Overrides, wraps and writes -----------------------------------------------------------
+
+def _tfpar_classes():
+    """Every class tfpar defines at module level or inside another class."""
+    import pkgutil
+
+    import tfpar
+
+    found = {}
+    for info in pkgutil.walk_packages(tfpar.__path__, "tfpar."):
+        if info.name.endswith("__main__"):
+            continue
+        for value in vars(importlib.import_module(info.name)).values():
+            if inspect.isclass(value) and value.__module__.startswith("tfpar"):
+                for cls in [value, *[v for v in vars(value).values() if inspect.isclass(v)]]:
+                    if cls.__module__.startswith("tfpar"):
+                        found[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return found
+
+
+def _decorated_classes():
+    """ClassDefs of tfpar's sources decorated with internals.overrides (those made inside a
+    function too), with the private methods each defines."""
+    found = {}
+    for path, text in SOURCES.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and any(
+                    ast.unparse(d) == "internals.overrides" for d in node.decorator_list):
+                found[(path.name, node.name)] = {
+                    f.name for f in node.body if isinstance(f, ast.FunctionDef)
+                    and f.name.startswith("_") and not f.name.startswith(("__", "_tfpar_"))}
+    return found
+
+
+def test_every_override_of_a_private_is_in_the_manifest_and_checked():
+    """Derived, not declared: a tfpar class that defines a private its TensorFlow or Keras base
+    also defines overrides it; each such private is in OVERRIDES and its class is checked."""
+    derived, unchecked = {}, []
+    for name, cls in _tfpar_classes().items():
+        overridden = internals.overridden(cls)
+        if overridden:
+            derived[name] = overridden
+            if name not in internals.overriding:
+                unchecked.append(name)
+    assert len(derived) >= 5  # The scan itself works (strategies' extendeds, MeshVariable).
+    unlisted = {n: sorted(o - set(internals.OVERRIDES)) for n, o in derived.items()
+                if o - set(internals.OVERRIDES)}
+    assert not unlisted, f"overrides missing from internals.OVERRIDES: {unlisted}"
+    assert not unchecked, f"classes overriding privates without @internals.overrides: {unchecked}"
+    # Classes made inside functions (ReadFromOwner) are found in the sources: every class that
+    # defines a listed private is decorated, and every listed override is someone's.
+    decorated = _decorated_classes()
+    for path, text in SOURCES.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (path.name, node.name) not in decorated:
+                defined = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                assert not defined & set(internals.OVERRIDES), (path.name, node.name)
+    used = set().union(*derived.values(), *decorated.values())
+    assert not set(internals.OVERRIDES) - used, "OVERRIDES lists privates nothing overrides"
+
+
+def test_an_override_of_a_missing_private_fails_closed():
+    tested = r"tested with Keras 3\.10\.0 to 3\.15\.1 and TensorFlow 2\.19\.0 to 2\.21\.0"
+
+    class Extended:  # A TensorFlow whose extended has it.
+        def _create_variable(self, next_creator, **kwargs):
+            return next_creator(**kwargs)
+
+    class Renamed:  # A TensorFlow that renamed it: the override would never be called.
+        def _make_variable(self, next_creator, **kwargs):
+            return next_creator(**kwargs)
+
+    def subclass(base, **members):
+        return type("Subclass", (base,), {"__module__": "tfpar.example", **members})
+
+    def create(self, next_creator, **kwargs):
+        return next_creator(**kwargs)
+
+    assert internals.overrides(subclass(Extended, _create_variable=create))
+    with pytest.raises(InternalsError, match=rf"_create_variable of Renamed.*Subclass.*{tested}"):
+        internals.overrides(subclass(Renamed, _create_variable=create))
+    # An override of a private that is not in the manifest is refused too.
+    with pytest.raises(KeyError, match="_make_variable.*internals.OVERRIDES"):
+        internals.overrides(subclass(Renamed, _make_variable=create))
+
+
+def _all_wraps(monkeypatch):
+    """(owner name, attribute) of every wrap tfpar installs, recorded without wrapping."""
+    from tfpar.keras import hooks
+    from tfpar.keras import mesh
+    from tfpar.keras import parameter_server
+    from tfpar.keras import replicas
+    from tfpar.keras import sharded
+    from tfpar.keras import variable_birth
+
+    recorded = set()
+
+    def record(owner, name, wrap, marker):
+        internals.wrapped(owner, name)
+        recorded.add((owner.__name__, name))
+
+    monkeypatch.setattr(hooks, "_wrap_once", record)
+    monkeypatch.setattr(mesh, "_backend_functions", dict)  # (Nothing written into Keras.)
+    for install in (hooks.install_multi_worker_callbacks, hooks.install_cluster_error_explanation,
+                    hooks.install_exact_replicas, hooks.install_sharded_optimizers,
+                    hooks.install_parameter_server_training, hooks.install_variable_births,
+                    hooks.install_model_call_hook, hooks.install_train_step_hook,
+                    mesh.use_keras_distribution):
+        install()
+    from_patches = {(owner.__name__, name) for module in (
+        replicas, sharded, parameter_server, variable_birth) for owner, name, _ in module.patches()}
+    return recorded, from_patches
+
+
+def test_every_wrapped_attribute_is_in_the_manifest(monkeypatch):
+    recorded, from_patches = _all_wraps(monkeypatch)
+    assert from_patches <= recorded and len(recorded) > 40  # The recording works.
+    assert recorded == set(internals.WRAPS), (
+        f"wrapped but not listed: {sorted(recorded - set(internals.WRAPS))}; "
+        f"listed but not wrapped: {sorted(set(internals.WRAPS) - recorded)}")
+    # And no module wraps Keras another way than through hooks._wrap_once.
+    calls = [p.name for p, text in SOURCES.items() for _ in re.findall(r"_wrap_once\(", text)]
+    assert set(calls) == {"hooks.py", "mesh.py"}
+
+
+def test_wrapping_a_missing_attribute_fails_closed():
+    from tfpar.keras import hooks
+
+    renamed = type("BackupAndRestore", (), {})  # A Keras whose callback lost _save_model.
+    tested = r"tested with Keras 3\.10\.0 to 3\.15\.1 and TensorFlow 2\.19\.0 to 2\.21\.0"
+    with pytest.raises(InternalsError, match=rf"BackupAndRestore\._save_model.*{tested}"):
+        hooks._wrap_once(renamed, "_save_model", lambda original: original, "_tfpar_test")
+    assert not hasattr(renamed, "_save_model")  # Nothing was written.
+    with pytest.raises(KeyError, match="internals.WRAPS"):
+        hooks._wrap_once(renamed, "_not_listed", lambda original: original, "_tfpar_test")
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith(("__", "_tfpar"))
+
+
+def test_privates_are_written_through_the_manifest_only():
+    """A TensorFlow or Keras private is written with internals.set_attr (which checks it is
+    still there): directly on another object, by setattr with its name, or on `self` in a
+    subclass of a TensorFlow or Keras class whose bases set it."""
+    found = []
+    for path, text in SOURCES.items():
+        if path.name == "internals.py":
+            continue
+        tree = ast.parse(text)
+        # `self` outside a class body is a Keras or TensorFlow object (a wrapped method's).
+        in_classes = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                      for n in ast.walk(c)}
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for target in targets:
+                for t in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]):
+                    if (isinstance(t, ast.Attribute) and _private(t.attr)
+                            and not (isinstance(t.value, ast.Name) and t.value.id == "self"
+                                     and id(t) in in_classes)):
+                        found.append(f"{path.name}:{t.lineno}: {ast.unparse(t)} =")
+            if (isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                    "setattr", "object.__setattr__") and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant) and _private(node.args[1].value)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    # `self._x = ...` in a tfpar subclass where a TensorFlow or Keras base has `_x`.
+    for name, cls in _tfpar_classes().items():
+        _, bases = internals.own_privates(cls)
+        if not bases or cls.__module__ == "tfpar.errors":
+            continue
+        theirs = "".join(inspect.getsource(b) for b in bases
+                         if b.__module__.startswith(("keras", "tensorflow")))
+        source = inspect.getsource(cls)
+        for written in set(re.findall(r"self\.(_\w+) =[^=]", source)):
+            if _private(written) and (f"self.{written} =" in theirs
+                                      or any(written in vars(b) for b in bases)):
+                found.append(f"{name}: self.{written} =")
+    assert not found, found
+
+
+def test_a_write_of_a_missing_private_fails_closed():
+    tested = r"tested with Keras 3\.10\.0 to 3\.15\.1 and TensorFlow 2\.19\.0 to 2\.21\.0"
+
+    class Renamed:  # A Keras model that keeps its initial epoch elsewhere.
+        pass
+
+    model = Renamed()
+    with pytest.raises(InternalsError, match=rf"Renamed\._initial_epoch.*{tested}"):
+        internals.set_attr(model, "_initial_epoch", 3)
+    assert not hasattr(model, "_initial_epoch")  # Not written for nothing.
+    # A new object is checked against one of its kind.
+    with pytest.raises(InternalsError, match=r"_distributed_container"):
+        internals.set_attr(Renamed(), "_distributed_container", None, like=Renamed())
+    handle = tf.Variable(1.0).handle
+    internals.set_attr(handle, "_distributed_container", None, like=type(
+        "Copy", (), {"_distributed_container": None})())
+    assert handle._distributed_container is None
+    with pytest.raises(KeyError, match="manifest"):
+        internals.set_attr(model, "_not_in_the_manifest", 1)

@@ -108,7 +108,7 @@ class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))
         # Read by MirroredExtended when it makes its CollectiveKeys.
-        self._collective_key_base = group_keys.next_key_base()
+        internals.set_attr(self, "_collective_key_base", group_keys.next_key_base())
         if bytes_per_pack and self.communication != "ring":
             raise ValueError(
                 f"bytes_per_pack packs gradients for communication='ring', but this strategy "
@@ -195,6 +195,7 @@ class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
                 f"communication={self.communication!r}{shard})")
 
 
+@internals.overrides
 class _DataParallelExtended(
         internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
@@ -206,9 +207,9 @@ class _DataParallelExtended(
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
-        self._cross_device_ops = make_cross_device_ops(
+        internals.set_attr(self, "_cross_device_ops", make_cross_device_ops(
             self._tfpar_communication, self._devices, self._collective_keys,
-            self._tfpar_bytes_per_pack)
+            self._tfpar_bytes_per_pack))
 
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(dataset, len(self._devices))
@@ -279,7 +280,8 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
                 multi_worker.MULTI_WORKER_PACK_BYTES),
             timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
             implementation=multi_worker.implementation(self.communication))
-        self._collective_key_base = group_keys.next_key_base(across_workers=True)
+        internals.set_attr(self, "_collective_key_base",
+                           group_keys.next_key_base(across_workers=True))
         extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=resolver, communication_options=options)
         super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpar.keras import internals
 from tfpar.plan import layouts
 from tfpar.plan.placement import format_bytes
 
@@ -184,6 +185,7 @@ def any_mesh():
     return bool(_runtimes)
 
 
+@internals.overrides
 class MeshVariable(dtensor.DVariable):
     """A DTensor variable that reads back whole and takes whole values (saving, loading,
     `get_weights`), each device keeping its piece."""

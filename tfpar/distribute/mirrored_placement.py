@@ -63,11 +63,12 @@ def move_copies(variable, devices):
                 name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
                 aggregation=old.aggregation, synchronization=old.synchronization)
             # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
-            new._unique_id = internals.attr(old, "_unique_id")
-            new.handle._distributed_container = weakref.ref(distributed)
+            internals.set_attr(new, "_unique_id", internals.attr(old, "_unique_id"))
+            internals.set_attr(new.handle, "_distributed_container", weakref.ref(distributed),
+                               like=old.handle)
             moved.append(new)
             changed = True
-    distributed._values = tuple(moved)
+    internals.set_attr(distributed, "_values", tuple(moved))
     return changed
 
 

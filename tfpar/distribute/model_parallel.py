@@ -376,6 +376,7 @@ class PlacementReport:
         return plan.format_report(self.layers, self.placement, self.devices)
 
 
+@internals.overrides
 class _ModelParallelExtended(
         internals.symbol("tensorflow.python.distribute.one_device_strategy.OneDeviceExtended")):
     """One replica on the first device; variables on the device of their layer."""

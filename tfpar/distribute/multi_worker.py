@@ -117,6 +117,7 @@ def rank(value):
     return None if shape is None else shape.rank
 
 
+@internals.overrides
 class MultiWorkerExtended(internals.symbol(
         "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended")):
 

@@ -135,9 +135,8 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
                 make_one = make_one.get_concrete_function()
                 iterator = worker.create_resource(lambda make_one=make_one: iter(make_one()))
                 # The step functions are traced with the iterator as an argument.
-                internals.attr(iterator, "_type_spec")
-                iterator._type_spec = tf.data.IteratorSpec(
-                    make_one.structured_outputs.element_spec)
+                internals.set_attr(iterator, "_type_spec", tf.data.IteratorSpec(
+                    make_one.structured_outputs.element_spec))
                 iterators.append(iterator)
         return internals.symbol(
             "tensorflow.python.distribute.coordinator.values.PerWorkerDistributedIterator")(

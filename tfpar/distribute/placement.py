@@ -73,8 +73,8 @@ def move_variable(variable, device):
             old.read_value(), trainable=old.trainable, name=old.name.split(":")[0],
             dtype=old.dtype, aggregation=old.aggregation,
             synchronization=old.synchronization, shape=old.shape)
-    new._unique_id = internals.attr(old, "_unique_id")  # pylint: disable=protected-access
-    variable._value = new  # pylint: disable=protected-access
+    internals.set_attr(new, "_unique_id", internals.attr(old, "_unique_id"))
+    internals.set_attr(variable, "_value", new)
     return True
 
 

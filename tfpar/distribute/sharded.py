@@ -203,6 +203,7 @@ def _read_from_owner(variable, strategy, shape):
     stand_in = id(variable) in strategy._tfpar_shard_owners.remote
     read = functools.partial(read_parameter, strategy, variable, owner, shape)
 
+    @internals.overrides
     class ReadFromOwner(base):
         def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
             # The owner's own update step reads its variable in place, and so does

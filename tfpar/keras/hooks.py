@@ -22,9 +22,10 @@ _lock = threading.Lock()
 
 def _wrap_once(owner, name, wrap, marker):
     """Replaces `owner.name` by `wrap(original)` unless already done (the wrapper carries
-    the attribute `marker`). Thread-safe."""
+    the attribute `marker`). Thread-safe. `(owner, name)` is listed in internals.WRAPS, and a
+    missing attribute fails closed (InternalsError) before anything is replaced."""
     with _lock:
-        original = getattr(owner, name)
+        original = internals.wrapped(owner, name)
         if getattr(original, marker, False):
             return
         wrapper = functools.wraps(original)(wrap(original))
@@ -56,6 +57,13 @@ def _chief_only(method):
     return wrapper
 
 
+def _set(obj, name, value):
+    if name.startswith("_"):  # Keras' private: written only if it is still there.
+        internals.set_attr(obj, name, value)
+    else:
+        setattr(obj, name, value)
+
+
 @contextlib.contextmanager
 def _writing_elsewhere(callback):
     """The callback's files go to a temporary directory, deleted after."""
@@ -69,11 +77,11 @@ def _writing_elsewhere(callback):
     directory = tempfile.mkdtemp(prefix="tfpar-not-chief-")
     try:
         for name, path in saved.items():
-            setattr(callback, name, os.path.join(directory, os.path.basename(str(path))))
+            _set(callback, name, os.path.join(directory, os.path.basename(str(path))))
         yield
     finally:
         for name, path in saved.items():
-            setattr(callback, name, path)
+            _set(callback, name, path)
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -101,7 +109,7 @@ def _restored_by_the_chief(load_model):
         epoch.assign(internals.attr(model, "_initial_epoch") or 0)
         optimizer = model.optimizer.variables if model.optimizer is not None else []
         broadcast([epoch, *model.variables, *optimizer])
-        model._initial_epoch = int(epoch.numpy()) or None
+        internals.set_attr(model, "_initial_epoch", int(epoch.numpy()) or None)
     return wrapper
 
 
@@ -163,12 +171,12 @@ def _saved_whole(save_model):
         double = self.double_checkpoint
         try:  # Keras writes its own format, to the new names; _finish_backup keeps .bkp.
             for name, (path, _) in zip(names, files):
-                setattr(self, name, _new(path))
+                internals.set_attr(self, name, _new(path))
             self.double_checkpoint = False
             save_model(self)
         finally:
             for name, (path, _) in zip(names, files):
-                setattr(self, name, path)
+                internals.set_attr(self, name, path)
             self.double_checkpoint = double
         marker = tf.io.gfile.join(self.backup_dir, _COMMIT)
         with tf.io.gfile.GFile(_new(marker), "w") as f:

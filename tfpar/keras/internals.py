@@ -9,6 +9,11 @@ silently changing what it computes. `MANIFEST` lists every private; a test check
 each one against the installed versions and checks that tfpar reads no other. A private
 that only newer releases have is listed in `SINCE`, with what older ones mean instead.
 
+Beyond reads: a private written is written with `set_attr` (it must be there already); a
+private that a tfpar subclass overrides is listed in `OVERRIDES` and its class decorated
+with `overrides` (checked when the class is made); and every Keras attribute that
+`hooks._wrap_once` wraps is listed in `WRAPS` and got through `wrapped`. Each fails closed.
+
     >>> symbol("keras.src.models.functional.Functional").__name__
     'Functional'
 """
@@ -167,6 +172,87 @@ ATTRIBUTES = {
     "_moments": "keras.layers.BatchNormalization (a sync part's batch moments)",
     "_type_spec": "a coordinator RemoteValue (a per-worker iterator's spec)",
     "_add_control_input": "tf.Operation (a zero-bubble W's ops deferred to its turn)",
+    "_collective_key_base": "MirroredStrategy (written: the strategy's own block of group keys, "
+                            "which MirroredExtended reads when it is made)",
+    "_to_backend_mesh": "keras.src.backend.tensorflow.distribution_lib (written: on DTensor)",
+    "_to_backend_layout": "keras.src.backend.tensorflow.distribution_lib (written: on DTensor)",
+}
+
+# Privates of TensorFlow and Keras classes that tfpar's subclasses override, on what, and why.
+# Each class that overrides one is decorated with `overrides`, which checks at class definition
+# that a TensorFlow or Keras base still has it: renamed, the override would never be called.
+OVERRIDES = {
+    "_create_variable": "MirroredExtended, CollectiveAllReduceExtended, OneDeviceExtended: "
+                        "where each variable is born (placement, sharding, mirrored copies)",
+    "_initialize_strategy": "MirroredExtended: tfpar's cross-device ops (group keys, packing, "
+                            "a pipeline's per-stage reductions)",
+    "_experimental_distribute_dataset": "MirroredExtended, CollectiveAllReduceExtended: a first "
+                                        "batch that does not split into replicas fails clearly",
+    "_validate_colocate_with_variable": "MirroredExtended, CollectiveAllReduceExtended: "
+                                        "optimizer state colocated with a sharded variable",
+    "_reduce_to": "CollectiveAllReduceExtended: reductions of values kept by one replica",
+    "_batch_reduce_to": "MirroredExtended: a pipeline's gradients reduced stage by stage",
+    "_get_cross_device_ops": "MirroredExtended: each pipeline stage's own cross-device ops",
+    "_update": "OneDeviceExtended: an optimizer update on its variable's device",
+    "_read_variable_op": "dtensor.DVariable: a mesh variable read where it is laid out",
+    "_dense_var_to_tensor": "tf.Variable: a stage-3 variable across workers read from its owner",
+}
+
+# Attributes of Keras and TensorFlow classes and modules that tfpar wraps (`hooks._wrap_once`
+# replaces each by a wrapper once), public ones included: (owner, attribute) -> why. The owner
+# is named by its `__name__` (a class's, or a module's dotted one).
+_TRAINER, _TF_VARIABLE = "TensorFlowTrainer", "Variable"
+WRAPS = {
+    ("keras.src.saving.saving_lib", "is_memory_sufficient"): "a tfpar model's weights via a file",
+    ("BackupAndRestore", "_save_model"): "backups committed whole; written by the chief only",
+    ("BackupAndRestore", "_load_model"): "every worker takes the chief's restored state",
+    ("BackupAndRestore", "on_train_begin"): "a committed backup finished after a kill",
+    ("BackupAndRestore", "on_train_end"): "the chief only deletes the backup",
+    ("ModelCheckpoint", "_save_model"): "checkpoints written by the chief only",
+    ("Model", "__call__"): "a placing strategy sees a model before it runs; mesh calls",
+    ("Model", "train_step"): "a pipeline builds the whole training step",
+    ("Layer", "__call__"): "eager calls of a layer on a device mesh",
+    ("Layer", "add_loss"): "losses added in call, per replica",
+    ("Layer", "_get_own_losses"): "losses added in call, per replica",
+    ("Layer", "_clear_losses"): "losses added in call, per replica",
+    ("BatchNormalization", "build"): "moving statistics aggregated by mean over replicas",
+    ("BatchNormalization", "call"): "ps training: one worker at a time updates the statistics",
+    ("BatchNormalization", "_moments"): "ps training: a sync part's batch moments",
+    ("LossScaleOptimizer", "apply"): "ps training: one worker at a time updates the scale",
+    **{(_TRAINER, name): "fit/evaluate/predict: ps loops, cluster errors explained, meshes"
+       for name in ("fit", "evaluate", "predict")},
+    **{(_TRAINER, name): "refused under parameter servers (the chief does not train)"
+       for name in ("train_on_batch", "test_on_batch", "predict_on_batch")},
+    **{(_TRAINER, f"make_{kind}_function"): "a model on a device mesh runs compiled on DTensor"
+       for kind in ("train", "test", "predict")},
+    (_TRAINER, "__init__"): "a model announced to the placing strategy it is made under",
+    (_TRAINER, "_maybe_symbolic_build"): "a model built from one replica's batch",
+    (_TRAINER, "_make_function"): "jit_compile refused clearly before the first step",
+    ("keras.src.losses.loss", "reduce_weighted_values"): "mean losses over the global batch",
+    ("keras.src.losses.loss", "unscale_loss_for_distribution"): "the loss tracker's value",
+    ("keras.src.losses.loss", "scale_loss_for_distribution"): "losses added in call, in parts",
+    ("keras.src.backend.common.remat", "remat"): "remat with keyword arguments (ZeRO-3)",
+    ("BaseOptimizer", "build"): "optimizer state built for its shards",
+    ("BaseOptimizer", "save_own_variables"): "sharded optimizer state saved whole",
+    ("BaseOptimizer", "load_own_variables"): "sharded optimizer state loaded where owned",
+    ("TFOptimizer", "_backend_update_step"): "ZeRO: each replica updates the shards it owns",
+    ("TFOptimizer", "_backend_apply_gradients"): "gradient accumulation outside a cond",
+    ("TFOptimizer", "_distributed_tf_update_step"): "updates in turn; sharded ps updates",
+    ("TFOptimizer", "_all_reduce_sum_gradients"): "gradients reduced where they are",
+    ("TFOptimizer", "add_variable_from_reference"): "optimizer state of sharded ps variables",
+    (_TF_VARIABLE, "assign_add"): "atomic updates under parameter servers",
+    (_TF_VARIABLE, "assign_sub"): "atomic updates under parameter servers",
+    (_TF_VARIABLE, "__array__"): "a sharded ps variable read whole",
+    (_TF_VARIABLE, "_initialize"): "storage laid out on a device mesh",
+    (_TF_VARIABLE, "_initialize_with_initializer"): "a variable born on its device",
+    (_TF_VARIABLE, "_deferred_initialize"): "a variable born on its device",
+    (_TF_VARIABLE, "_direct_assign"): "a variable stored before it is written",
+    ("keras.src.backend.tensorflow.numpy", "flip"): "flip on a device mesh, as a gather",
+    ("keras.src.backend.tensorflow.random", "dropout"): "dropout masks on a mesh, drawn whole",
+    ("keras.src.distribution.distribution_lib", "set_distribution"):
+        "a DataParallel distribution follows tfpar's DataParallelStrategy",
+    ("keras.distribution", "set_distribution"):
+        "a DataParallel distribution follows tfpar's DataParallelStrategy",
 }
 
 # Privates that only newer releases have: name -> (package, first release with it, what
@@ -177,7 +263,7 @@ SINCE = {
     "_layout": ("keras", "3.15.0", None),
 }
 
-MANIFEST = {**SYMBOLS, **ATTRIBUTES}
+MANIFEST = {**SYMBOLS, **ATTRIBUTES, **OVERRIDES}
 
 
 def release(version):
@@ -252,11 +338,84 @@ def attr(obj, name):
     return value
 
 
-def set_attr(obj, name, value):
+def set_attr(obj, name, value, like=None, set_by=None):
     """Writes the private attribute `obj.name` (listed in ATTRIBUTES), which must exist
-    already: a renamed private fails closed instead of being written for nothing."""
-    attr(obj, name)
+    already: a renamed private fails closed instead of being written for nothing. When `obj`
+    does not have it yet, it is checked on `like` (an object of the kind that has it), or in
+    `set_by` (the Keras or TensorFlow method tfpar does the work of), which must set it."""
+    if set_by is not None:
+        if name not in ATTRIBUTES:
+            raise KeyError(f"{name} is not in tfpar's manifest of privates "
+                           f"(internals.ATTRIBUTES).")
+        check(_sets(set_by, name), f"{set_by.__qualname__} setting self.{name}")
+    else:
+        attr(obj if like is None else like, name)
     setattr(obj, name, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _sets(function, name):
+    import inspect
+
+    return f"self.{name} =" in inspect.getsource(function)
+
+
+def _owner_name(owner):
+    """How WRAPS names a class or module: its `__name__` (a module's is dotted)."""
+    return owner.__name__
+
+
+def wrapped(owner, name):
+    """`owner.name`, which tfpar is about to wrap (listed in WRAPS); InternalsError if
+    missing, so that a renamed attribute is not wrapped for nothing."""
+    key = (_owner_name(owner), name)
+    if key not in WRAPS:
+        raise KeyError(f"{key} is not in tfpar's manifest of wrapped attributes "
+                       f"(internals.WRAPS).")
+    value = getattr(owner, name, _NOTHING)
+    if value is _NOTHING:
+        raise _missing(f"{key[0]}.{name}, which it wraps")
+    return value
+
+
+def _is_tfpar(cls):
+    return cls.__module__.split(".")[0] == "tfpar"
+
+
+def own_privates(cls):
+    """The private members (not dunders, not tfpar's own `_tfpar_` ones) that `cls` and the
+    tfpar classes it inherits from define, and the TensorFlow or Keras bases it has."""
+    names = {name for c in cls.__mro__ if _is_tfpar(c) for name in vars(c)
+             if name.startswith("_") and not name.startswith(("__", "_tfpar_"))
+             and name != "_abc_impl"}  # (Set by ABCMeta on every class.)
+    return names, [c for c in cls.__mro__ if not _is_tfpar(c) and c is not object]
+
+
+def overridden(cls):
+    """The privates that `cls` (a tfpar class) defines over a TensorFlow or Keras base's."""
+    names, bases = own_privates(cls)
+    return {name for name in names if any(name in vars(base) for base in bases)}
+
+
+overriding = set()  # Names of the classes `overrides` checked (a test reads it).
+
+
+def overrides(cls):
+    """Class decorator for a tfpar subclass of a TensorFlow or Keras class: every private it
+    overrides (listed in OVERRIDES) must still be defined by one of its TensorFlow or Keras
+    bases, else InternalsError: a renamed private would leave the override never called."""
+    names, bases = own_privates(cls)
+    unlisted = sorted(overridden(cls) - set(OVERRIDES))
+    if unlisted:
+        raise KeyError(f"{cls.__name__} overrides {unlisted}, not in tfpar's manifest of "
+                       f"privates (internals.OVERRIDES).")
+    for name in sorted(names & set(OVERRIDES)):
+        if not any(name in vars(base) for base in bases):
+            owners = ", ".join(base.__name__ for base in bases[:2])
+            raise _missing(f"the private {name} of {owners}, which tfpar's {cls.__name__} "
+                           f"overrides")
+    overriding.add(f"{cls.__module__}.{cls.__qualname__}")
+    return cls
 
 
 def check(condition, what):

@@ -59,7 +59,10 @@ def use_keras_distribution():
                          f"distribution API applies.")
     backend = internals.symbol(_BACKEND)
     for name, function in _backend_functions().items():
-        setattr(backend, name, function)
+        if name.startswith("_"):  # Keras' own private, replaced: it must still be there.
+            internals.set_attr(backend, name, function)
+        else:  # What Keras' TensorFlow backend lacks.
+            setattr(backend, name, function)
     variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
     internals.attr(variable, "_initialize")
     hooks._wrap_once(variable, "_initialize", _laid_out, "_tfpar_mesh")
@@ -215,13 +218,13 @@ def _laid_out(keras_initialize):
         with tf.init_scope():  # (Optimizer state is made while a step is traced.)
             value = tf.convert_to_tensor(value() if callable(value) else value, self._dtype)
         if internals.attr(self, "_shape") is None:  # Made from a value: Keras sets it next.
-            self._shape = tuple(value.shape)
+            internals.set_attr(self, "_shape", tuple(value.shape))
         layout = _layout_of(self, distribution)
         if layout is None:
             return keras_initialize(self, value)
-        self._layout = layout
-        self._value = mesh_lib.runtime_of(layout.device_mesh).variable(
-            value, layout.axes, self.name, trainable=self.trainable)
+        internals.set_attr(self, "_layout", layout)
+        internals.set_attr(self, "_value", mesh_lib.runtime_of(layout.device_mesh).variable(
+            value, layout.axes, self.name, trainable=self.trainable), set_by=keras_initialize)
         self._value._tfpar_distribution = keras.distribution.distribution()
         return None
 

@@ -94,7 +94,7 @@ def materialize(variable, home):
     named = tf.name_scope(scope + "/") if scope else contextlib.nullcontext()
     with tf.init_scope(), named, variable_home(home):
         internals.attr(variable, "_initialize_with_initializer")(initializer)
-    variable._initializer = None  # pylint: disable=protected-access  # As Keras' own does.
+    internals.set_attr(variable, "_initializer", None)  # As Keras' own does.
 
 
 class _Initializer:
@@ -146,9 +146,11 @@ def _ask(variable):
 
 
 def _keep_pending(variable, initializer, strategy):
-    # The state Keras gives the variables it creates in a StatelessScope.
-    variable._value = None  # pylint: disable=protected-access
-    variable._initializer = _Initializer(initializer, variable, strategy)  # pylint: disable=protected-access
+    # The state Keras gives the variables it creates in a StatelessScope (in __init__).
+    init = internals.symbol("keras.src.backend.tensorflow.core.Variable").__init__
+    internals.set_attr(variable, "_value", None, set_by=init)
+    internals.set_attr(variable, "_initializer", _Initializer(initializer, variable, strategy),
+                       set_by=init)
 
 
 def _home_scope(home):

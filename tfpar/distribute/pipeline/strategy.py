@@ -211,7 +211,8 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         self._display = dict(zip(resolved, given))
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
-        self._collective_key_base = group_keys.next_key_base()  # Read by MirroredExtended.
+        # Read by MirroredExtended.
+        internals.set_attr(self, "_collective_key_base", group_keys.next_key_base())
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
         keras_hooks.install_variable_births()
         keras_hooks.install_model_call_hook()
@@ -563,6 +564,7 @@ def stage_reductions(grid, collective_keys):
     return reductions
 
 
+@internals.overrides
 class _PipelineExtended(
         internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
     """A mirrored strategy over the replicas' first devices, with one reduction per stage.
@@ -581,7 +583,8 @@ class _PipelineExtended(
         reductions = stage_reductions(self._grid, self._collective_keys)
         self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
         self._stage_ops = {r.devices: r.ops for r in reductions}
-        self._cross_device_ops = reductions[0].ops  # Stage 0's devices are the replicas'.
+        # Stage 0's devices are the replicas'.
+        internals.set_attr(self, "_cross_device_ops", reductions[0].ops)
 
     def _get_cross_device_ops(self, value):
         ops = super()._get_cross_device_ops(value)
