@@ -203,6 +203,9 @@ OVERRIDES = {
 # is named by its `__name__` (a class's, or a module's dotted one).
 _TRAINER, _TF_VARIABLE = "TensorFlowTrainer", "Variable"
 WRAPS = {
+    # Only before Keras 3.14 (WRAPS_BEFORE): activity-regularizer losses are batch sums there.
+    ("TensorFlowTrainer", "_aggregate_additional_loss"):
+        "losses marked as batch sums are not scaled by replicas or micro-batch shares",
     ("keras.src.saving.saving_lib", "is_memory_sufficient"): "a tfpar model's weights via a file",
     ("BackupAndRestore", "_save_model"): "backups committed whole; written by the chief only",
     ("BackupAndRestore", "_load_model"): "every worker takes the chief's restored state",
@@ -211,7 +214,8 @@ WRAPS = {
     ("ModelCheckpoint", "_save_model"): "checkpoints written by the chief only",
     ("Model", "__call__"): "a placing strategy sees a model before it runs; mesh calls",
     ("Model", "train_step"): "a pipeline builds the whole training step",
-    ("Layer", "__call__"): "eager calls of a layer on a device mesh",
+    ("Layer", "__call__"): "eager calls of a layer on a device mesh; before Keras 3.14 also "
+                           "its activity-regularizer losses marked as sums over the batch",
     ("Layer", "add_loss"): "losses added in call, per replica",
     ("Layer", "_get_own_losses"): "losses added in call, per replica",
     ("Layer", "_clear_losses"): "losses added in call, per replica",
@@ -253,6 +257,11 @@ WRAPS = {
         "a DataParallel distribution follows tfpar's DataParallelStrategy",
     ("keras.distribution", "set_distribution"):
         "a DataParallel distribution follows tfpar's DataParallelStrategy",
+}
+
+# Wraps installed only on releases before these (what they fix is Keras' own after).
+WRAPS_BEFORE = {
+    ("TensorFlowTrainer", "_aggregate_additional_loss"): ("keras", "3.14.0"),
 }
 
 # Privates that only newer releases have: name -> (package, first release with it, what

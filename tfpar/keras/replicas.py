@@ -230,9 +230,8 @@ def _under_tfpar():
     parts) is in scope."""
     if not tf.distribute.has_strategy():
         return False
-    strategy = tf.distribute.get_strategy()
-    return bool(getattr(strategy, "_tfpar_exact_replicas", False)
-                or getattr(strategy, "_tfpar_parameter_server", False))
+    hooks = hooks_of(tf.distribute.get_strategy())
+    return bool(hooks._tfpar_exact_replicas or hooks._tfpar_parameter_server)
 
 
 def _activity_sums_marked(keras_call):
