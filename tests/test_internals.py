@@ -424,3 +424,26 @@ def test_a_write_of_a_missing_private_fails_closed():
     assert handle._distributed_container is None
     with pytest.raises(KeyError, match="manifest"):
         internals.set_attr(model, "_not_in_the_manifest", 1)
+
+
+def test_a_keras_without_its_call_context_fails_closed(monkeypatch):
+    """Pipelines leave a model alone while Keras infers the output of a layer that calls it
+    (a Sequential inside a custom layer): known from Keras' call context. A Keras that kept it
+    under another name would have them place the inner model, silently."""
+    from keras.src.backend.common import global_state
+    from tfpar.keras import steps
+
+    steps._call_context_checked.clear()
+    assert steps.inside_a_layer_call() is False  # This Keras keeps it.
+    get = global_state.get_global_attribute
+    monkeypatch.setattr(global_state, "get_global_attribute",
+                        lambda name, *a, **k: None if name == "current_call_ctx" else get(name, *a, **k))
+    internals.symbol.cache_clear()
+    steps._call_context_checked.clear()
+    try:
+        with pytest.raises(InternalsError, match="current_call_ctx"):
+            steps.inside_a_layer_call()
+    finally:
+        monkeypatch.undo()
+        internals.symbol.cache_clear()
+        steps._call_context_checked.clear()

@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfpar.contract import StrategyHooks
 from tfpar.errors import PlacementError
 from tfpar.keras import internals
+from tfpar.keras import steps
 from tfpar.keras import variable_birth
 
 _local = threading.local()
@@ -66,17 +67,14 @@ class PlacingStrategy(StrategyHooks):
             "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
         in_symbolic_scope = internals.symbol(
             "keras.src.backend.common.symbolic_scope.in_symbolic_scope")
-        get_global_attribute = internals.symbol(
-            "keras.src.backend.common.global_state.get_global_attribute")
         building = _local.__dict__.setdefault("building", set())
         # A functional model built out of this one, our own build, or Keras inferring the
         # output of a layer that calls this model (a Sequential inside a custom layer,
         # given placeholders, not KerasTensors: inside another layer's call): nothing
         # runs, and this model is a part. (Keras' symbolic build of the model itself, also
         # in a symbolic scope, is the model's own call: it is placed.)
-        inside_a_layer = get_global_attribute("current_call_ctx") is not None
         if (any_symbolic_tensors(args, kwargs) or id(model) in building
-                or (in_symbolic_scope() and inside_a_layer)):
+                or (in_symbolic_scope() and steps.inside_a_layer_call())):
             return
         # In a StatelessScope, variables Keras creates get no storage until it ends
         # (even inside Keras' own symbolic build): placing gives them storage on their

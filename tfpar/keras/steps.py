@@ -31,6 +31,30 @@ def is_keras_train_step(method):
     return method is trainer.train_step
 
 
+_call_context_checked = []
+
+
+def inside_a_layer_call():
+    """Whether a Keras layer's call is running (Keras' call context, a global it keeps under
+    "current_call_ctx"). Checked once against a probe layer: a Keras that renamed it would
+    answer "no" for ever, silently."""
+    get = internals.symbol("keras.src.backend.common.global_state.get_global_attribute")
+    if not _call_context_checked:
+        seen = []
+
+        class Probe(keras.layers.Layer):
+            def call(self, x):
+                seen.append(get("current_call_ctx") is not None)
+                return x
+
+        before = get("current_call_ctx")  # (Set already if asked inside a layer's call.)
+        Probe(name="tfpar_call_context_probe")(keras.Input((1,)))
+        internals.check(seen == [True] and get("current_call_ctx") is before,
+                        "Keras' call context of the layer being called (current_call_ctx)")
+        _call_context_checked.append(True)
+    return get("current_call_ctx") is not None
+
+
 def call_model(model, x, training):
     """`model(x)`, passing `training` when the model's call takes it."""
     if internals.attr(model, "_call_has_training_arg"):
