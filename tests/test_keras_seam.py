@@ -53,3 +53,19 @@ def test_the_train_step_hook_is_not_mistaken_for_a_users_override():
     assert not parameter_server._overrides_train_step(plain)
     inputs = keras.Input((2,))
     assert parameter_server._overrides_train_step(Own(inputs, keras.layers.Dense(1)(inputs)))
+
+
+def test_every_patch_can_be_removed_and_stock_keras_comes_back():
+    """tfpar replaces Keras and TensorFlow attributes (wraps, and keras.distribution's
+    backend functions) through one ledger; `hooks.remove_patches()` undoes them all."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "workers", "remove_patches.py")
+    done = subprocess.run([sys.executable, worker], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["attributes"] > 40 and result["undone"] == result["replaced"], result
+    assert result["restored"] and result["stock_equal"], result

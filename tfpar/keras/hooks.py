@@ -20,6 +20,17 @@ from tfpar.keras import internals
 _lock = threading.Lock()
 
 
+_ABSENT = object()
+# Every replacement tfpar made in Keras or TensorFlow, in order: (owner, name, what
+# `vars(owner)` held before, or _ABSENT). `remove_patches` undoes them.
+_applied = []
+
+
+def _replace(owner, name, value):
+    _applied.append((owner, name, vars(owner).get(name, _ABSENT)))
+    setattr(owner, name, value)
+
+
 def _wrap_once(owner, name, wrap, marker):
     """Replaces `owner.name` by `wrap(original)` unless already done (the wrapper carries
     the attribute `marker`). Thread-safe. `(owner, name)` is listed in internals.WRAPS, and a
@@ -30,7 +41,31 @@ def _wrap_once(owner, name, wrap, marker):
             return
         wrapper = functools.wraps(original)(wrap(original))
         setattr(wrapper, marker, True)
-        setattr(owner, name, wrapper)
+        _replace(owner, name, wrapper)
+
+
+def replace_attribute(owner, name, value, private=True):
+    """Sets `owner.name` (a module's function) to tfpar's `value`, undone by
+    `remove_patches`; a private must exist already (internals.set_attr)."""
+    with _lock:
+        if private:
+            internals.attr(owner, name)
+        _replace(owner, name, value)
+
+
+def remove_patches():
+    """Puts back everything tfpar replaced in Keras and TensorFlow (the wraps its strategies
+    and `use_keras_distribution` installed), newest first: stock behaviour again. Returns how
+    many replacements were undone. A strategy made afterwards installs its wraps again."""
+    with _lock:
+        undone = len(_applied)
+        while _applied:
+            owner, name, before = _applied.pop()
+            if before is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        return undone
 
 
 def _is_non_chief_worker(callback):

@@ -59,10 +59,12 @@ def use_keras_distribution():
                          f"distribution API applies.")
     backend = internals.symbol(_BACKEND)
     for name, function in _backend_functions().items():
-        if name.startswith("_"):  # Keras' own private, replaced: it must still be there.
-            internals.set_attr(backend, name, function)
-        else:  # What Keras' TensorFlow backend lacks.
-            setattr(backend, name, function)
+        if getattr(getattr(backend, name, None), "_tfpar_mesh", False):
+            continue  # Installed already.
+        function._tfpar_mesh = True
+        # Keras' own private, replaced, must still be there; the rest its TensorFlow
+        # backend lacks.
+        hooks.replace_attribute(backend, name, function, private=name.startswith("_"))
     variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
     internals.attr(variable, "_initialize")
     hooks._wrap_once(variable, "_initialize", _laid_out, "_tfpar_mesh")
