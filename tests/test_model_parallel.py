@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar.distribute.model_parallel import placement_units
+from tfpar.keras.models import placement_units
 from tfpar.distribute.placement import placed_call
 from tfpar.errors import DeviceError, PlacementError
 

@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfpar.contract import StrategyHooks
 from tfpar.errors import PlacementError
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import steps
 from tfpar.keras import variable_birth
 
@@ -59,8 +60,6 @@ class PlacingStrategy(StrategyHooks):
 
     # Called by the Keras seam before every call of a model created under this scope.
     def _tfpar_before_model_call(self, model, args, kwargs):
-        import keras
-
         if getattr(model, "_tfpar_placed_by", None) is not None:
             return
         any_symbolic_tensors = internals.symbol(
@@ -79,11 +78,11 @@ class PlacingStrategy(StrategyHooks):
         # In a StatelessScope, variables Keras creates get no storage until it ends
         # (even inside Keras' own symbolic build): placing gives them storage on their
         # device before that.
-        with keras.StatelessScope():
+        with models.stateless_scope():
             if not is_built(model):
                 building.add(id(model))
                 try:
-                    _build_symbolically(model, args, kwargs)
+                    models.build_symbolically(model, args, kwargs)
                 finally:
                     building.discard(id(model))
             self._place(model)
@@ -91,19 +90,16 @@ class PlacingStrategy(StrategyHooks):
     # Called by the Keras seam for each model created under this scope.
     def _tfpar_model_created(self, model):
         with self._lock:
-            models = self.__dict__.setdefault("_tfpar_models", [])
-            models[:] = [m for m in models if m() is not None]
-            models.append(weakref.ref(model))
+            created = self.__dict__.setdefault("_tfpar_models", [])
+            created[:] = [m for m in created if m() is not None]
+            created.append(weakref.ref(model))
 
     # Called by the Keras seam when a Keras variable is about to get its storage.
     def _tfpar_variable_home(self, variable, callers):
-        import keras
-
-        layers = [c for c in callers if isinstance(c, keras.layers.Layer)]
-        unit = next((layer for layer in layers if not isinstance(layer, keras.Model)), None)
+        unit = models.creating_layer(callers)
         if unit is None:
             # A layer's random state made in its constructor waits for the layer's model.
-            seeds = callers and isinstance(callers[-1], keras.random.SeedGenerator)
+            seeds = models.made_by_seed_generator(callers)
             return variable_birth.PENDING if seeds else None
         home = self._known_home(unit)
         return variable_birth.PENDING if home is None else home
@@ -131,16 +127,11 @@ class PlacingStrategy(StrategyHooks):
     def _owner_of(self, variable):
         """The outermost unplaced, built model created under this scope that holds
         `variable` (the last one created if several), or None."""
-        import keras
-
         owners = [model for model in (ref() for ref in self.__dict__.get("_tfpar_models", ()))
                   if model is not None and getattr(model, "_tfpar_placed_by", None) is None
                   and is_built(model) and any(v is variable for v in model.variables)]
-        # A Sequential runs through a functional model of its own, made by Keras.
-        inside = {id(internals.attr(model, "_functional")) for model in owners
-                  if isinstance(model, keras.Sequential)}
-        inside.update(id(layer) for model in owners
-                      for layer in internals.attr(model, "_flatten_layers")() if layer is not model)
+        # Models inside another (a Sequential's own functional model too) are left out.
+        inside = {id(held) for model in owners for held in models.held_inside(model)}
         outermost = [model for model in owners if id(model) not in inside]
         return outermost[-1] if outermost else None
 
@@ -164,32 +155,11 @@ def claim_model(strategy, model, placed, why_built):
 def mark_placed(strategy, model):
     """Records that `strategy` placed `model` and the models inside it."""
     for sub in [model] + [layer for layer in internals.attr(model, "_flatten_layers")()
-                          if is_model(layer)]:
+                          if models.is_model(layer)]:
         object.__setattr__(sub, "_tfpar_placed_by", strategy)
-
-
-def is_model(layer):
-    import keras
-
-    return isinstance(layer, keras.Model)
 
 
 def is_built(model):
     """True when the model and every layer in it are built (their variables exist, with
     storage or not)."""
     return model.built and all(layer.built for layer in internals.attr(model, "_flatten_layers")())
-
-
-def _build_symbolically(model, args, kwargs):
-    """Creates a model's variables from the shapes of a call's inputs, running nothing."""
-    import keras
-
-    def spec(x):
-        if tf.is_tensor(x) or hasattr(x, "__array__"):
-            return keras.KerasTensor(tuple(x.shape), keras.backend.standardize_dtype(x.dtype))
-        return x
-
-    compute_output_spec = internals.symbol("keras.src.backend.compute_output_spec")
-    with tf.init_scope():
-        compute_output_spec(model, *keras.tree.map_structure(spec, args),
-                            **keras.tree.map_structure(spec, kwargs))

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfpar import devices as devices_lib
 from tfpar.errors import PlacementError
-from tfpar.keras import internals
+from tfpar.keras import models
 
 
 def timing_device(devices, alternatives):
@@ -32,19 +32,12 @@ def layer_seconds(layer, batch_size, device, input_gradient=False, repeats=3):
     """Median seconds of one forward and backward of `layer` on zeros of `batch_size`
     rows, on `device`. The backward takes the weights' gradients, and the input's when
     `input_gradient` (every pipeline stage but the first sends one back)."""
-    import keras
-
-    nodes = internals.attr(layer, "_inbound_nodes")
-    build_shapes = internals.attr(layer, "_build_shapes_dict")
-    if nodes:
-        args, kwargs = nodes[-1].arguments.args, nodes[-1].arguments.kwargs
-    elif build_shapes and len(build_shapes) == 1:
-        shape = next(iter(build_shapes.values()))
-        args, kwargs = (tf.TensorSpec((None,) + tuple(shape[1:]), layer.input_dtype),), {}
-    else:
+    arguments = models.call_arguments(layer)
+    if arguments is None:
         raise PlacementError(
             f"Cannot time layer {layer.name!r}: its input shape is unknown. Use "
             f"balance_by='bytes' or 'params'.")
+    args, kwargs = arguments
 
     def zeros(t):  # Inputs of the planned batch size; other arguments unchanged.
         if hasattr(t, "shape") and hasattr(t, "dtype"):
@@ -52,7 +45,7 @@ def layer_seconds(layer, batch_size, device, input_gradient=False, repeats=3):
         return t
 
     with tf.init_scope(), tf.device(device):
-        call_args, call_kwargs = keras.tree.map_structure(zeros, (tuple(args), dict(kwargs)))
+        call_args, call_kwargs = models.map_structure(zeros, (tuple(args), dict(kwargs)))
         flat = tf.nest.flatten((call_args, call_kwargs))
         given = [i for i, t in enumerate(flat) if isinstance(t, tf.Tensor)]
 
@@ -68,7 +61,7 @@ def layer_seconds(layer, batch_size, device, input_gradient=False, repeats=3):
             # The weights' values, read here: a strategy's (mirrored) variable has no
             # gradient outside its replica context.
             weights = [(w, tf.identity(w.value)) for w in layer.trainable_weights]
-            with keras.StatelessScope(state_mapping=weights):
+            with models.stateless_scope(state_mapping=weights):
                 outputs = layer(*args, **kwargs)
                 loss = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32))
                                  for o in tf.nest.flatten(outputs)])

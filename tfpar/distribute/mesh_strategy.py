@@ -41,17 +41,8 @@ class MeshStrategy:
     """
 
     def __init__(self, mesh, layout_map=None, batch_dim_name=None):
-        import keras
-
         keras_mesh.use_keras_distribution()
-        if not isinstance(mesh, keras.distribution.DeviceMesh):
-            raise ValueError(f"mesh must be a keras.distribution.DeviceMesh. Received: {mesh!r}")
-        if layout_map is None:
-            layout_map = keras.distribution.LayoutMap(mesh)
-        if layout_map.device_mesh is not mesh:
-            raise ValueError("layout_map was made for another DeviceMesh than mesh.")
-        self.distribution = keras.distribution.ModelParallel(
-            layout_map=layout_map, batch_dim_name=batch_dim_name or mesh.axis_names[0])
+        self.distribution = keras_mesh.model_parallel(mesh, layout_map, batch_dim_name)
         self.runtime = mesh_lib.runtime_of(mesh)
 
     @property

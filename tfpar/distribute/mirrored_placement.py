@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfpar.distribute.placement import canonical_device
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import variable_birth
 
 
@@ -39,9 +40,7 @@ def move_copies(variable, devices):
     alone (returns False). A Keras variable without storage yet
     (`variable_birth.has_no_storage`) gets its copies on `devices`: nothing moves.
     """
-    import keras
-
-    if isinstance(variable, keras.Variable) and variable_birth.has_no_storage(variable):
+    if models.is_variable(variable) and variable_birth.has_no_storage(variable):
         variable_birth.materialize(variable, devices)
         return False
     distributed = distributed_value(variable)

@@ -72,10 +72,11 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.distribute import layer_timing
 from tfpar.distribute import placement as placement_lib
-from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, is_model, mark_placed
+from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.errors import PlacementError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import placement as plan
@@ -212,7 +213,7 @@ class ModelParallelStrategy(PlacingStrategy, tf.distribute.OneDeviceStrategy):
             if not claim_model(self, model, id(model) in self._reports,
                                "its layers' sizes are unknown"):
                 return
-            units = placement_units(model)
+            units = models.placement_units(model)
             if not units:
                 raise PlacementError(f"Model {model.name!r} has no layers to place.")
             from tfpar.layers.on_device import OnDevice
@@ -422,26 +423,6 @@ class _ModelParallelExtended(
                 placement_lib.move_variable(variable, moved[id(colocated())][1])
 
 
-def placement_units(model):
-    """The layers a model is placed by, in model order (see the module docstring)."""
-    import keras
-
-    units, seen = [], set()
-
-    def visit(container):
-        for layer in container.layers:
-            if id(layer) in seen or isinstance(layer, keras.layers.InputLayer):
-                continue
-            seen.add(id(layer))
-            if is_model(layer):
-                visit(layer)
-            else:
-                units.append(layer)
-
-    visit(model)
-    return units
-
-
 def _wrap_call(layer, device):
     """Makes `layer.call` run through `placed_call` on `device` (re-wrapping is fine)."""
     original = layer.__dict__.get("_tfpar_original_call") or layer.call
@@ -466,7 +447,7 @@ def _layer_costs(layers, slots, batch_size, timing_device=None):
         weight_bytes = sum(_size(w) * _dtype_bytes(w.dtype) for w in weights)
         slot_bytes = slots * sum(_size(w) * _dtype_bytes(w.dtype) for w in weights
                                  if id(w) in trainable)
-        activation_bytes = _output_elements(layer) * batch_size * _dtype_bytes(
+        activation_bytes = models.output_elements(layer) * batch_size * _dtype_bytes(
             layer.compute_dtype)
         seconds = (layer_timing.layer_seconds(layer, batch_size, timing_device)
                    if timing_device else 0.0)
@@ -481,37 +462,6 @@ def _size(variable):
 
 def _dtype_bytes(dtype):
     return tf.as_dtype(dtype).size
-
-
-def _shapes(structure):
-    """Flat list of shapes in a nest of shapes/tensors."""
-    import keras
-
-    if isinstance(structure, (tuple, list)) and all(
-            d is None or isinstance(d, int) for d in structure):
-        return [tuple(structure)]
-    if hasattr(structure, "shape"):
-        return [tuple(structure.shape)]
-    if isinstance(structure, (tuple, list, dict)):
-        values = structure.values() if isinstance(structure, dict) else structure
-        return [s for v in values for s in _shapes(v)]
-    return [tuple(t.shape) for t in keras.tree.flatten(structure) if hasattr(t, "shape")]
-
-
-def _output_elements(layer):
-    """Elements per example of a layer's output(s): from its graph node, else its shape."""
-    nodes = internals.attr(layer, "_inbound_nodes")
-    if nodes:
-        shapes = _shapes(nodes[-1].outputs)
-    else:
-        build_shapes = internals.attr(layer, "_build_shapes_dict")
-        if not build_shapes or len(build_shapes) != 1:
-            return 0
-        try:
-            shapes = _shapes(layer.compute_output_shape(next(iter(build_shapes.values()))))
-        except Exception:  # Not every layer can say; its activations then count as 0.
-            return 0
-    return sum(math.prod(d or 1 for d in shape[1:]) for shape in shapes)
 
 
 def _timing_device(devices, placement, balance_by):

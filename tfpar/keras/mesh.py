@@ -88,6 +88,22 @@ def use_keras_distribution():
         hooks._wrap_once(owner, "set_distribution", _following_strategy, "_tfpar_mesh")
 
 
+def model_parallel(mesh, layout_map=None, batch_dim_name=None):
+    """A `keras.distribution.ModelParallel` on `mesh` (a `keras.distribution.DeviceMesh`)
+    with `layout_map` (None: every variable replicated), the batch split along
+    `batch_dim_name` (default: the mesh's first axis)."""
+    import keras
+
+    if not isinstance(mesh, keras.distribution.DeviceMesh):
+        raise ValueError(f"mesh must be a keras.distribution.DeviceMesh. Received: {mesh!r}")
+    if layout_map is None:
+        layout_map = keras.distribution.LayoutMap(mesh)
+    if layout_map.device_mesh is not mesh:
+        raise ValueError("layout_map was made for another DeviceMesh than mesh.")
+    return keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name=batch_dim_name or mesh.axis_names[0])
+
+
 # --- DataParallel: tfpar's DataParallelStrategy ---------------------------------------
 # A `keras.distribution.DataParallel` (replicated variables, the batch split over the
 # devices) trains under `tfpar.DataParallelStrategy` on those devices: one device's

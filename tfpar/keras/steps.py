@@ -12,6 +12,11 @@ def batch_size(x):
     return tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
 
 
+def unpack_x_y_sample_weight(data):
+    """A batch as Keras' train step takes it apart: (x, y, sample_weight)."""
+    return keras.utils.unpack_x_y_sample_weight(data)
+
+
 def track_loss(model, loss, x):
     """Updates the model's loss metric with a step's (replica-scaled) loss, as Keras does.
 

@@ -56,6 +56,7 @@ import tensorflow as tf
 
 from tfpar.distribute.placement import placed_call
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import replicas
 from tfpar.keras.losses import (
     SUM, WEIGHT, has_custom_compute_loss, loss_kind, outputs_masked)
@@ -487,14 +488,12 @@ class TrainStep:
     def _vjp(self, action, upstream):
         """Chunk s's gradients for micro-batch m: sends the input's back; sums the
         variables' (B), or leaves them to W (I)."""
-        import keras
-
         s, m = action.stage, action.micro_batch
         if self.remat:
             x, states = self.kept[s][m]
             x = _anchor(self._fetched(s, x))  # The rerun starts now, not as soon as x exists.
             tape = tf.GradientTape()
-            with tape, keras.StatelessScope(state_mapping=states, collect_losses=True):
+            with tape, models.stateless_scope(state_mapping=states, collect_losses=True):
                 tape.watch(_floats(x))
                 _, targets = self._stage(action, x, rerun=True)
         else:

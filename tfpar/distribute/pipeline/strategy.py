@@ -414,15 +414,13 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     # -- Training (called by the Keras seam for model.train_step) -----------------------
 
     def _tfpar_train_step(self, model, data):
-        import keras
-
         if self._micro_batch_rows is None:  # Known now, for balance_by="time".
             first = next((t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)), None)
             if first is not None and first.shape.rank and first.shape[0] is not None:
                 self._micro_batch_rows = max(1, int(first.shape[0]) // self.num_micro_batches)
         self._place(model)
         replica = replica_id()
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = steps.unpack_x_y_sample_weight(data)
         devices = self.chunk_devices(replica)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, devices,
                                        self._schedule, self._remat, replica, len(self._grid),
