@@ -5,6 +5,8 @@
 - `replicas.py`: Keras' loss normalization, BatchNorm statistics, gradient accumulation
   and call losses made exact under replicas; refusals before a step is built;
 - `steps.py`: pieces of Keras' train step that tfpar's own steps share;
+- `models.py`: Keras models, layers and variables as the strategies see them (what is a
+  model, the layers a model is placed by, a layer's call shapes, a build from shapes);
 - `stages.py`: a functional or Sequential model cut into pipeline stages, each run by
   Keras' own graph runner;
 - `parameter_server.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
