@@ -2,6 +2,7 @@
 no other, and a missing one fails closed with the versions named."""
 
 import ast
+import contextlib
 import importlib
 import inspect
 import pathlib
@@ -190,14 +191,28 @@ def test_a_callback_without_its_model_fails_closed():
         _is_non_chief_worker(keras.callbacks.Callback())
 
 
+@contextlib.contextmanager
+def _keras_global_state(monkeypatch, answer):
+    """Keras' global state, each attribute's value passed through `answer(name, value)`."""
+    from keras.src.backend.common import global_state
+
+    get = global_state.get_global_attribute
+    monkeypatch.setattr(global_state, "get_global_attribute",
+                        lambda name, *a, **k: answer(name, get(name, *a, **k)))
+    internals.symbol.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        internals.symbol.cache_clear()
+
+
 def test_a_keras_that_does_not_name_the_layer_being_built_fails_closed(monkeypatch):
     """Placing strategies find the layer creating a variable on Keras' name-scope stack; if
     Keras stopped putting it there, every variable would be born on the first device."""
-    from keras.src.backend.common import global_state
     from tfpar.keras import variable_birth
 
     variable_birth.check_layers_name_themselves()  # The pinned Keras names it.
-    get = global_state.get_global_attribute
 
     class Forgetful(list):  # Keras' scopes still push and pop; nothing is kept.
         def append(self, item):
@@ -206,18 +221,10 @@ def test_a_keras_that_does_not_name_the_layer_being_built_fails_closed(monkeypat
         def pop(self, *args):
             return None
 
-    def stack_without_callers(name, *args, **kwargs):
-        value = get(name, *args, **kwargs)
-        return Forgetful() if name == "name_scope_stack" else value
-
-    monkeypatch.setattr(global_state, "get_global_attribute", stack_without_callers)
-    internals.symbol.cache_clear()
-    try:
+    with _keras_global_state(monkeypatch, lambda name, value: (
+            Forgetful() if name == "name_scope_stack" else value)):
         with pytest.raises(InternalsError, match="name-scope stack naming the layer"):
             variable_birth.check_layers_name_themselves()
-    finally:
-        monkeypatch.undo()
-        internals.symbol.cache_clear()
 
 
 # --- Overrides, wraps and writes -----------------------------------------------------------
@@ -430,20 +437,15 @@ def test_a_keras_without_its_call_context_fails_closed(monkeypatch):
     """Pipelines leave a model alone while Keras infers the output of a layer that calls it
     (a Sequential inside a custom layer): known from Keras' call context. A Keras that kept it
     under another name would have them place the inner model, silently."""
-    from keras.src.backend.common import global_state
     from tfpar.keras import steps
 
     steps._call_context_checked.clear()
     assert steps.inside_a_layer_call() is False  # This Keras keeps it.
-    get = global_state.get_global_attribute
-    monkeypatch.setattr(global_state, "get_global_attribute",
-                        lambda name, *a, **k: None if name == "current_call_ctx" else get(name, *a, **k))
-    internals.symbol.cache_clear()
     steps._call_context_checked.clear()
     try:
-        with pytest.raises(InternalsError, match="current_call_ctx"):
-            steps.inside_a_layer_call()
+        with _keras_global_state(monkeypatch, lambda name, value: (
+                None if name == "current_call_ctx" else value)):
+            with pytest.raises(InternalsError, match="current_call_ctx"):
+                steps.inside_a_layer_call()
     finally:
-        monkeypatch.undo()
-        internals.symbol.cache_clear()
         steps._call_context_checked.clear()
