@@ -163,9 +163,12 @@ def _new(path):
     return f"{head}/tfpar-new.{tail}" if head else f"tfpar-new.{tail}"
 
 
-def _is_tfpar_model(callback):
-    strategy = callback.model.distribute_strategy
+def _is_tfpar_strategy(strategy):
     return type(strategy).__module__.startswith("tfpar.")
+
+
+def _is_tfpar_model(callback):
+    return _is_tfpar_strategy(callback.model.distribute_strategy)
 
 
 def _backup_files(callback):
@@ -237,8 +240,7 @@ def _weights_through_a_file(is_memory_sufficient):
     capped ZeRO-3 test's model.save killed both workers). Keras' other path writes them to a
     temporary file beside the target, one variable at a time."""
     def wrapper(model):
-        strategy = getattr(model, "distribute_strategy", None)
-        if type(strategy).__module__.startswith("tfpar."):
+        if _is_tfpar_strategy(getattr(model, "distribute_strategy", None)):
             return False
         return is_memory_sufficient(model)
     return wrapper
@@ -247,7 +249,6 @@ def _weights_through_a_file(is_memory_sufficient):
 def install_streamed_saving():
     """`model.save("*.keras")` of a tfpar model writes its weights through a file. Idempotent."""
     saving_lib = internals.symbol("keras.src.saving.saving_lib")
-    internals.attr(saving_lib, "is_memory_sufficient")
     _wrap_once(saving_lib, "is_memory_sufficient", _weights_through_a_file,
                "_tfpar_weights_through_a_file")
 
@@ -259,7 +260,6 @@ def install_crash_safe_backups():
 
     install_streamed_saving()
 
-    internals.attr(keras.callbacks.BackupAndRestore, "_save_model")
     _wrap_once(keras.callbacks.BackupAndRestore, "_save_model", _saved_whole,
                "_tfpar_saved_whole")
     _wrap_once(keras.callbacks.BackupAndRestore, "on_train_begin", _finishing_backups,

@@ -556,11 +556,6 @@ def _batch_specs(epoch_iterator):
     return specs
 
 
-_TFPAR_ERRORS = tuple(cls for cls in vars(tfpar_errors).values()
-                      if isinstance(cls, type) and issubclass(cls, Exception)
-                      and cls.__module__ == tfpar_errors.__name__)
-
-
 def _build_from_one_replica(keras_build):
     """TensorFlowTrainer._maybe_symbolic_build: shapes from replica 0's part of the batch.
 
@@ -577,7 +572,7 @@ def _build_from_one_replica(keras_build):
             # ("Unable to automatically build the model"): tfpar's refusals (a PlacementError
             # for a subclassed model in a pipeline, ...) surface as themselves, as on 3.15.
             wrapped = error.__cause__ or error.__context__  # (3.10 raises inside except.)
-            if isinstance(wrapped, _TFPAR_ERRORS):
+            if type(wrapped).__module__ == tfpar_errors.__name__:
                 raise wrapped from error
             raise
 

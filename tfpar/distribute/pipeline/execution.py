@@ -422,7 +422,7 @@ class TrainStep:
                     states = [(v, tf.identity(v.value))
                               for v in self.program.stages[s].seed_variables]
                     y, targets = self._stage(action, x)
-                    self.kept[s][m] = (self._offloaded(s, x), states)
+                    self.kept[s][m] = (self._on_offload_device(s, x), states)
                 else:
                     tape = tf.GradientTape()
                     self._tape_of_last_stage = tape
@@ -434,23 +434,16 @@ class TrainStep:
         if y is not None:
             self.inputs[s + 1][m] = y
 
-    def _offloaded(self, s, x):
-        """x, or its copy in chunk s's offload device: the backward's rerun reads the copy
-        (fetched back to the chunk's device when the backward starts), so the chunk's own
-        x is freed after the forward."""
+    def _on_offload_device(self, s, x):
+        """x, or a copy of it made on chunk s's offload device in the current scopes. After
+        a forward: what the backward's rerun reads, so the chunk's own x is freed. In the
+        backward: that copy copied again, in the backward's control scope, which is what is
+        sent back to the chunk then (a receive runs as soon as its sender has sent: had the
+        kept copy itself been sent, it would have come straight back)."""
         if self.offload_devices is None:
             return x
         with tf.device(self.offload_devices[s]):
             return _anchor(x)
-
-    def _fetched(self, s, kept):
-        """An offloaded input, sent back to chunk s now: the copy is made on the offload
-        device in the backward's control scope. (A receive runs as soon as its sender has
-        sent; had the offloaded copy itself been sent, it would have come straight back.)"""
-        if self.offload_devices is None:
-            return kept
-        with tf.device(self.offload_devices[s]):
-            return _anchor(kept)
 
     def _backward(self, action):
         """B (the whole backward) or I (its input-gradient part; W follows)."""
@@ -491,7 +484,7 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         if self.remat:
             x, states = self.kept[s][m]
-            x = _anchor(self._fetched(s, x))  # The rerun starts now, not as soon as x exists.
+            x = _anchor(self._on_offload_device(s, x))  # The rerun starts now, not as soon as x exists.
             tape = tf.GradientTape()
             with tape, models.stateless_scope(state_mapping=states, collect_losses=True):
                 tape.watch(_floats(x))
