@@ -24,7 +24,7 @@ from tfpar.plan import sharding
 from tfpar.plan.communication import check_bytes_per_pack, select_communication
 
 
-class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
+class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism: one replica per device, gradients all-reduced.
 
     A `tf.distribute.MirroredStrategy` whose all-reduce is chosen for the
@@ -118,13 +118,9 @@ class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
         super(tf.distribute.MirroredStrategy, self).__init__(extended)
         keras_hooks.install_exact_replicas()
         keras_hooks.install_crash_safe_backups()
-        self._tfpar_shard_owners = sharded.ShardOwners(len(resolved))
-        self._tfpar_step_shapes = sharded.StepShapes()
-        if self._tfpar_shard_stage:
-            keras_hooks.install_sharded_optimizers()
-            self._tfpar_shard_collectives = sharded.ShardCollectives(
-                sharding.collectives_for(self.communication),
-                internals.attr(extended, "_collective_keys"), resolved)
+        sharded.set_up(self, len(resolved), lambda: sharded.ShardCollectives(
+            sharding.collectives_for(self.communication),
+            internals.attr(extended, "_collective_keys"), resolved))
 
     @property
     def cluster_resolver(self):
@@ -174,20 +170,6 @@ class DataParallelStrategy(StrategyHooks, tf.distribute.MirroredStrategy):
         config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
         return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
                               config, devices, gradients, gather)
-
-    def _tfpar_full_optimizer_state(self, optimizer):
-        # Asked by the Keras seam when a sharded optimizer is saved across workers.
-        return sharded.full_state(self, optimizer)
-
-    def _tfpar_sharded_update(self, optimizer, grads, variables, learning_rate,
-                              accumulation=None):
-        # Asked by the Keras seam for an optimizer step under shard=...
-        return sharded.sharded_update(self, optimizer, grads, variables, learning_rate,
-                                      self._tfpar_shard_stage, self._tfpar_shard_collectives,
-                                      self._tfpar_bucket_bytes, accumulation)
-
-    # Asked by the Keras seam for gradient accumulation under shard=...
-    _tfpar_accumulation = sharded.Accumulation
 
     def __repr__(self):
         shard = f", shard={self.shard!r}" if self.shard else ""
@@ -288,16 +270,12 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         keras_hooks.install_multi_worker_callbacks()
         keras_hooks.install_exact_replicas()
         keras_hooks.install_cluster_error_explanation()
-        self._tfpar_shard_owners = sharded.ShardOwners(self.num_replicas_in_sync)
-        self._tfpar_step_shapes = sharded.StepShapes()
-        if self._tfpar_shard_stage:
-            keras_hooks.install_sharded_optimizers()
-            self._tfpar_shard_collectives = sharded.ShardCollectives(
-                sharding.collectives_for(
-                    self.communication, across_workers=True,
-                    pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
-                internals.attr(extended, "_collective_keys"), extended.worker_devices,
-                options.timeout_seconds, key_base=self._collective_key_base)
+        sharded.set_up(self, self.num_replicas_in_sync, lambda: sharded.ShardCollectives(
+            sharding.collectives_for(
+                self.communication, across_workers=True,
+                pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
+            internals.attr(extended, "_collective_keys"), extended.worker_devices,
+            options.timeout_seconds, key_base=self._collective_key_base))
         self._tfpar_cluster = multi_worker.Peers(resolver)
         self._tfpar_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
         self._tfpar_backups = 0  # Backups resumed from (sharded), numbered alike.

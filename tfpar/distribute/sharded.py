@@ -38,6 +38,7 @@ variable from its owner, one after another, instead of gathering buckets.
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -49,6 +50,7 @@ from tfpar.contract import hooks_of
 from tfpar.distribute import group_keys
 from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
+from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.keras import sharded as keras_sharded
 from tfpar.keras import steps
@@ -58,23 +60,37 @@ from tfpar.plan import sharding
 
 
 class ShardOwners:
-    """The owner replica of each trainable variable, assigned in the order asked."""
+    """The owner replica of each trainable variable, assigned in the order asked.
 
-    def __init__(self, num_replicas):
+    Owners even out bytes within a group: all variables when `group_of` is None (data
+    parallelism); else the variables `group_of(variable)` gives the same key, a tuple of
+    the devices of the group's replicas (a pipeline stage's R devices: each stage's
+    state divided over its replicas)."""
+
+    def __init__(self, num_replicas, group_of=None):
         self.num_replicas = num_replicas
+        self._group_of = group_of
         self._lock = threading.Lock()
-        self._loads = [0] * num_replicas
+        self._loads = collections.defaultdict(lambda: [0] * num_replicas)  # group -> loads
         self._owner = {}  # variable key -> owner replica
+        self._group = {}  # variable key -> its group (None: the only one)
         self._ordinal = {}  # variable key -> the order it was given an owner in
         self.slots = {}  # id(optimizer state variable) -> its model variable
         self.remote = set()  # ids of the stand-ins of state owned on another worker
 
     def owner_of(self, variable):
         key = id(variable)
-        with self._lock:
-            if key not in self._owner:
-                self._own(key, self._take(num_bytes(variable)))
-            return self._owner[key]
+        if key not in self._owner:
+            group = self._group_of(variable) if self._group_of else None
+            with self._lock:
+                if key not in self._owner:
+                    self._own(key, self._take(num_bytes(variable), group), group)
+        return self._owner[key]
+
+    def group_devices(self, variable):
+        """The devices of `variable`'s group, one per replica (None without groups)."""
+        self.owner_of(variable)
+        return self._group[id(variable)]
 
     def ordinal_of(self, variable):
         """The order in which `variable` was given its owner: the same on every worker
@@ -83,27 +99,33 @@ class ShardOwners:
         self.owner_of(variable)
         return self._ordinal[id(variable)]
 
-    def _own(self, key, owner):
+    def _own(self, key, owner, group):
         self._owner[key] = owner
+        self._group[key] = group
         self._ordinal[key] = len(self._ordinal)
 
-    def _take(self, size):
-        owner = sharding.next_owner(self._loads)
-        self._loads[owner] += size
+    def _take(self, size, group):
+        loads = self._loads[group]
+        owner = sharding.next_owner(loads)
+        loads[owner] += size
         return owner
 
     def create_owned(self, value, local_devices, first_replica, create):
         """A trainable variable (stage 3) of initial `value`, made by
-        `create(initial_value)` on the device of the next owner when the owner is one of
-        this worker's replicas (replica indices `first_replica`...); elsewhere an empty
-        stand-in, recorded in `remote`."""
+        `create(initial_value)` on the device of the next owner (in the group of
+        `local_devices`, with groups) when the owner is one of this worker's replicas
+        (replica indices `first_replica`...); elsewhere an empty stand-in, recorded in
+        `remote`."""
+        group = None
+        if self._group_of is not None:  # (The group of a variable made on these devices.)
+            group = tuple(local_devices)
         with self._lock:
-            owner = self._take(num_bytes(value))
+            owner = self._take(num_bytes(value), group)
         variable = self._made_on(owner, local_devices, first_replica,
                                  lambda local: create(value if local
                                                       else tf.zeros([0], value.dtype)))
         with self._lock:
-            self._own(id(variable), owner)
+            self._own(id(variable), owner, group)
         return variable
 
     def _made_on(self, owner, local_devices, first_replica, create):
@@ -121,8 +143,8 @@ class ShardOwners:
 
     @property
     def loads(self):
-        """Bytes of trainable variables owned by each replica."""
-        return list(self._loads)
+        """Bytes of trainable variables owned by each replica (over all groups)."""
+        return [sum(column) for column in zip(*self._loads.values())] or [0] * self.num_replicas
 
     def create_slot(self, reference, local_devices, first_replica, create):
         """Optimizer state for `reference`, made by `create(initial_value=None)` on its
@@ -162,8 +184,10 @@ def slot_on_owner(strategy, next_creator, kwargs, local_devices, first_replica):
         if initial_value is not None:
             kwargs["initial_value"] = initial_value
         return next_creator(**kwargs)
-    return strategy._tfpar_shard_owners.create_slot(reference, local_devices, first_replica,
-                                                    create)
+    owners = strategy._tfpar_shard_owners
+    # With groups (a pipeline's stages), the devices of the reference's stage.
+    local_devices = owners.group_devices(reference) or local_devices
+    return owners.create_slot(reference, local_devices, first_replica, create)
 
 
 def parameter_on_owner(strategy, next_creator, kwargs, local_devices, first_replica):
@@ -435,30 +459,46 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     updates = steps.InTurn() if across_workers else steps.at_once
     broadcasts = steps.InTurn()
     transfers = []  # (variable index, its gradient's transfer), the last layers' first.
-    for dtype in sorted({v.dtype for v in variables}, key=lambda d: d.name):
-        index = [i for i, v in enumerate(variables) if v.dtype == dtype]
-        # Each bucket is reduced, applied and gathered on its own, so that its collectives
-        # wait only for its own gradients (the last layers' come first).
-        for number, bucket in enumerate(sharding.buckets(
-                [num_bytes(variables[i]) for i in index], bucket_bytes)):
-            with tf.name_scope(f"tfpar_zero_bucket_{number}"):
-                members = [index[j] for j in bucket]
-                groups = _by_owner(members, [owner[i] for i in members],
-                                   ctx.num_replicas_in_sync)
-                reduced, kept, sent = _own_gradients(ctx, collectives, stage, grads,
-                                                     variables, groups, ordinals)
-                transfers += [(i, sent[i]) for i in members if i in sent]
-                gradient_bytes += kept
-                _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
-                             learning_rate, accumulation, updates)
-                if stage < 3 and across_workers:
-                    _broadcast_updates(ctx, collectives, local, groups, ordinals, grads,
-                                       broadcasts)
-                elif stage < 3:
-                    _gather_updates(ctx, collectives, local, groups, dtype)
+    for devices, index, prefix in _update_groups(strategy._tfpar_shard_owners, variables):
+        # A pipeline stage's variables updated on this replica's device of the stage.
+        with tf.device(devices[me]) if devices else contextlib.nullcontext():
+            # Each bucket is reduced, applied and gathered on its own, so that its
+            # collectives wait only for its own gradients (the last layers' come first).
+            for number, bucket in enumerate(sharding.buckets(
+                    [num_bytes(variables[i]) for i in index], bucket_bytes)):
+                with tf.name_scope(f"{prefix}bucket_{number}"):
+                    members = [index[j] for j in bucket]
+                    groups = _by_owner(members, [owner[i] for i in members],
+                                       ctx.num_replicas_in_sync)
+                    reduced, kept, sent = _own_gradients(ctx, collectives, stage, grads,
+                                                         variables, groups, ordinals)
+                    transfers += [(i, sent[i]) for i in members if i in sent]
+                    gradient_bytes += kept
+                    _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
+                                 learning_rate, accumulation, updates)
+                    if stage < 3 and across_workers:
+                        _broadcast_updates(ctx, collectives, local, groups, ordinals, grads,
+                                           broadcasts)
+                    elif stage < 3:
+                        _gather_updates(ctx, collectives, local, groups,
+                                        variables[index[0]].dtype)
     _pace_gradients(grads, [(i, op, num_bytes(variables[i])) for i, op in transfers],
                     bucket_bytes)
     strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
+
+
+def _update_groups(owners, variables):
+    """(devices, variable indices, name prefix) of the variables updated together: one
+    dtype of one group of `owners` (the group's devices, one per replica: a pipeline
+    stage's; None without groups), in the order of their first variables, the same on
+    every replica."""
+    found = {}
+    for i, variable in enumerate(variables):
+        found.setdefault(owners.group_devices(variable), []).append(i)
+    for number, (devices, members) in enumerate(found.items()):
+        for dtype in sorted({variables[i].dtype for i in members}, key=lambda d: d.name):
+            yield (devices, [i for i in members if variables[i].dtype == dtype],
+                   f"tfpar_zero_{number}_" if devices else "tfpar_zero_")
 
 
 def paces_gradients(strategy):
@@ -769,3 +809,33 @@ class ShardCollectives:
                 input=flat, group_size=n, group_key=group, instance_key=instance,
                 ordering_token=[], communication_hint="nccl")
         return ctx.all_gather(flat, axis=0)
+
+
+class ZeroHooks:
+    """What a sharding strategy (`DataParallelStrategy(shard=...)`, a pipeline's
+    `PipelineStrategy(shard=...)`) answers the Keras seam with. Set up by `set_up`."""
+
+    def _tfpar_full_optimizer_state(self, optimizer):
+        # Asked by the Keras seam when a sharded optimizer is saved across workers.
+        return full_state(self, optimizer)
+
+    def _tfpar_sharded_update(self, optimizer, grads, variables, learning_rate,
+                              accumulation=None):
+        # Asked by the Keras seam for an optimizer step under shard=...
+        return sharded_update(self, optimizer, grads, variables, learning_rate,
+                              self._tfpar_shard_stage, self._tfpar_shard_collectives,
+                              self._tfpar_bucket_bytes, accumulation)
+
+    # Asked by the Keras seam for gradient accumulation under shard=...
+    _tfpar_accumulation = Accumulation
+
+
+def set_up(strategy, num_replicas, collectives, group_of=None):
+    """A strategy's ZeRO state: its owners (`ShardOwners(num_replicas, group_of)`), and
+    under shard=... (`strategy._tfpar_shard_stage`) Keras' optimizers sharded and the
+    collectives `collectives()` makes (a `ShardCollectives`)."""
+    strategy._tfpar_shard_owners = ShardOwners(num_replicas, group_of)
+    strategy._tfpar_step_shapes = StepShapes()
+    if strategy._tfpar_shard_stage:
+        keras_hooks.install_sharded_optimizers()
+        strategy._tfpar_shard_collectives = collectives()

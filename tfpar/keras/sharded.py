@@ -22,7 +22,13 @@ def _shard_stage(optimizer):
     return hooks_of(strategy)._tfpar_shard_stage, strategy
 
 
-def _refusal(optimizer, shard):
+def _name(strategy):
+    """The strategy's class as a user names it (DataParallelStrategy across workers too)."""
+    return type(strategy).__name__.replace("MultiWorker", "")
+
+
+def _refusal(optimizer, strategy):
+    shard = strategy.shard
     what = None
     if optimizer.use_ema:
         what = "use_ema=True"
@@ -31,7 +37,7 @@ def _refusal(optimizer, shard):
         what = "gradient_accumulation_steps with global_clipnorm or weight_decay"
     if what is None:
         return None
-    return (f"DataParallelStrategy(shard={shard!r}) cannot shard {type(optimizer).__name__} "
+    return (f"{_name(strategy)}(shard={shard!r}) cannot shard {type(optimizer).__name__} "
             f"with {what}: that state is not sharded yet. Drop {what}, or train with "
             f"shard=None.")
 
@@ -48,7 +54,7 @@ def accumulate_sharded(optimizer, strategy, grads, trainable_variables, accumula
         (tf.convert_to_tensor(iterations) + 1) % steps == 0,
         internals.attr(optimizer, "_clip_gradients"))
     variables = [internals.attr(v, "_value") for v in trainable_variables]
-    _check_state_follows_variables(optimizer, strategy.shard)
+    _check_state_follows_variables(optimizer, strategy)
     return strategy._tfpar_sharded_update(optimizer, list(grads), variables,
                                           optimizer.learning_rate, accumulation)
 
@@ -60,7 +66,7 @@ def _built_for_shards(keras_build):
     def build(self, variables):
         stage, strategy = _shard_stage(self)
         if stage and not self.built:
-            message = _refusal(self, strategy.shard)
+            message = _refusal(self, strategy)
             if message:
                 raise ValueError(message)
         return keras_build(self, variables)
@@ -68,7 +74,7 @@ def _built_for_shards(keras_build):
     return build
 
 
-def _check_state_follows_variables(optimizer, shard):
+def _check_state_follows_variables(optimizer, strategy):
     """Refuses an optimizer with state that is neither a scalar nor made next to its
     variable: mirrored on every replica, it would be updated on its owner only. (Asked
     when the first step is traced: subclasses make their state after BaseOptimizer.build.)"""
@@ -78,7 +84,7 @@ def _check_state_follows_variables(optimizer, shard):
                 and isinstance(internals.attr(v, "_value"), tf.distribute.DistributedValues)]
     if mirrored:
         raise ValueError(
-            f"DataParallelStrategy(shard={shard!r}) cannot shard "
+            f"{_name(strategy)}(shard={strategy.shard!r}) cannot shard "
             f"{type(optimizer).__name__}: it keeps state that is not one copy per variable "
             f"({', '.join(mirrored[:3])}). Use an optimizer whose state follows its "
             f"variables (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion, ...), "
@@ -93,7 +99,7 @@ def _sharded_update_step(keras_update_step):
         stage, strategy = _shard_stage(self)
         if not stage or tf.distribute.in_cross_replica_context():
             return keras_update_step(self, grads, trainable_variables, learning_rate)
-        _check_state_follows_variables(self, strategy.shard)
+        _check_state_follows_variables(self, strategy)
         variables = [internals.attr(v, "_value") if hasattr(v, "_value") else v
                      for v in trainable_variables]
         return strategy._tfpar_sharded_update(self, list(grads), variables, learning_rate)

@@ -83,7 +83,11 @@ def _parser():
     estimate.add_argument("--kind", choices=memory.KINDS, default="data",
                           help="data parallel, ZeRO-sharded, pipeline or model parallel")
     estimate.add_argument("--shard", choices=["optimizer", "gradients", "parameters"],
-                          help="ZeRO stage 1, 2 or 3 (with --kind data or sharded)")
+                          help="ZeRO stage 1, 2 or 3 (with --kind sharded; with --kind "
+                               "pipeline each stage's state over its --replicas)")
+    estimate.add_argument("--replicas", type=int, default=1,
+                          help="with --kind pipeline: pipeline replicas (--devices counts "
+                               "the stages of one)")
     for command in (advise, estimate):
         command.set_defaults(parser=command)
     return parser
@@ -98,7 +102,7 @@ def _run(args):
                              args.dtype_bytes, args.activation_bytes,
                              args.largest_variable).explain()
     config = memory.MemoryConfig(args.kind, args.devices, args.shard, slots, args.dtype_bytes,
-                                 args.activation_bytes)
+                                 args.activation_bytes, num_replicas=args.replicas)
     return memory.estimate_memory(model, config, args.largest_variable).format()
 
 

@@ -71,6 +71,17 @@ class _Variables:
         totals = device_totals(layers, balanced_placement(layers, stages, by="params"), stages)
         return [totals[stage].params for stage in stages]
 
+    def stages(self, num_stages):
+        """The variables of each of `num_stages` contiguous, balanced stages (the cut of
+        `per_stage`), each a `_Variables`."""
+        if self.sizes is None:
+            return [_Variables(p, min(p, self.largest)) for p in self.per_stage(num_stages)]
+        layers = [LayerCost(str(i), size, 0, 0, 0) for i, size in enumerate(self.sizes)]
+        stage_of = balanced_placement(layers, list(range(num_stages)), by="params")
+        sizes = [tuple(size for i, size in enumerate(self.sizes) if stage_of[str(i)] == stage)
+                 for stage in range(num_stages)]
+        return [_Variables(sum(s), max(s), s) for s in sizes]
+
 
 def _variables(spec, largest_variable=None):
     """Normalizes a model description: a total, per-variable sizes, or a built Keras model."""
@@ -103,7 +114,10 @@ def _variables(spec, largest_variable=None):
 class MemoryConfig:
     """How training is spread: `kind` is one of `KINDS`, `shard` a ZeRO stage's name.
 
-    For "pipeline" and "model", `num_devices` counts the stages of one model copy.
+    For "pipeline" and "model", `num_devices` counts the stages of one model copy;
+    a pipeline has `num_replicas` copies, and with `shard` each stage's state is divided
+    over the stage's `num_replicas` devices as ZeRO divides it over replicas (DeepSpeed's
+    pipeline with ZeRO).
     `activation_bytes` is what one copy of the whole model keeps for the backward
     pass at its batch (per replica for data parallelism). `reshard_after_forward`
     (stage 3): a layer's gathered weights are freed after its forward pass and gathered
@@ -126,19 +140,26 @@ class MemoryConfig:
     activation_bytes: int = 0
     reshard_after_forward: bool = True
     gradient_window_bytes: int = 0
+    num_replicas: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}. "
                              f"Received: kind={self.kind!r}")
         for name, minimum in (("num_devices", 1), ("optimizer_slots", 0), ("dtype_bytes", 1),
-                              ("activation_bytes", 0), ("gradient_window_bytes", 0)):
+                              ("activation_bytes", 0), ("gradient_window_bytes", 0),
+                              ("num_replicas", 1)):
             object.__setattr__(self, name, _count(name, getattr(self, name), minimum))
         stage = sharding.check_shard(self.shard)
-        if self.kind in _SPLIT_KINDS and stage:
+        if self.kind == "model" and stage:
             raise ValueError(
-                f"shard={self.shard!r} shards the state of data-parallel replicas; "
-                f"kind={self.kind!r} splits the model instead. Use kind='sharded', or shard=None.")
+                f"shard={self.shard!r} shards the state of replicas; kind='model' is one copy "
+                f"of the model split over devices. Use kind='sharded', kind='pipeline' with "
+                f"num_replicas (each stage's state sharded over its replicas), or shard=None.")
+        if self.num_replicas > 1 and self.kind != "pipeline":
+            raise ValueError(
+                f"num_replicas counts the copies of a pipeline; for kind={self.kind!r} the "
+                f"replicas are num_devices. Received: num_replicas={self.num_replicas}")
         if self.kind == "sharded" and not stage:
             raise ValueError("kind='sharded' needs shard='optimizer', 'gradients' or "
                              "'parameters'. For no sharding use kind='data'.")
@@ -153,9 +174,13 @@ class MemoryConfig:
 
         >>> MemoryConfig("pipeline", 4).strategy(num_replicas=2)
         'PipelineStrategy(num_stages=4, num_replicas=2)'
+        >>> MemoryConfig("pipeline", 2, shard="optimizer", num_replicas=2).strategy()
+        "PipelineStrategy(num_stages=2, num_replicas=2, shard='optimizer')"
         """
         if self.kind == "pipeline":
-            return f"PipelineStrategy(num_stages={self.num_devices}, num_replicas={num_replicas})"
+            shard = f", shard={self.shard!r}" if self.shard else ""
+            return (f"PipelineStrategy(num_stages={self.num_devices}, "
+                    f"num_replicas={max(num_replicas, self.num_replicas)}{shard})")
         if self.kind == "model":
             return "ModelParallelStrategy()"
         return f"DataParallelStrategy({f'shard={self.shard!r}' if self.shard else ''})"
@@ -183,7 +208,8 @@ class DeviceMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-device memory of one config; `devices` are replicas, or stages in order.
+    """Per-device memory of one config; `devices` are replicas, or stages in order (a
+    pipeline's replicas one after another: replica r's stage s at r * K + s).
 
     >>> e = estimate_memory([250] * 4, MemoryConfig("data", 2))
     >>> e.peak, e.peak / e.num_params
@@ -234,17 +260,25 @@ def _gradients(variables, config, owned):
     return min(share, in_flight)
 
 
+def _replicas(variables, config, num_replicas, activations):
+    """Each of `num_replicas` replicas holding `variables` (ZeRO-sharded over them under
+    `config.shard`) and `activations` bytes."""
+    full, stage = variables.total, config.stage
+    return [_device(config, full if stage < 3 else owned,
+                    _gradients(variables, config, owned), full if stage < 1 else owned,
+                    activations, _gathered(variables, config, owned))
+            for owned in variables.per_owner(num_replicas)]
+
+
 def _estimate(variables, config):
     if config.kind in _SPLIT_KINDS:
-        devices = [_device(config, p, p, p, a) for p, a in zip(
-            variables.per_stage(config.num_devices),
+        # Device (replica r, stage s) at r * K + s, as PipelineStrategy.stage_devices.
+        columns = [_replicas(stage, config, config.num_replicas, a) for stage, a in zip(
+            variables.stages(config.num_devices),
             _even(config.activation_bytes, config.num_devices))]
+        devices = [column[r] for r in range(config.num_replicas) for column in columns]
     else:
-        full, stage = variables.total, config.stage
-        devices = [_device(config, full if stage < 3 else owned,
-                           _gradients(variables, config, owned), full if stage < 1 else owned, config.activation_bytes,
-                           _gathered(variables, config, owned))
-                   for owned in variables.per_owner(config.num_devices)]
+        devices = _replicas(variables, config, config.num_devices, config.activation_bytes)
     return MemoryEstimate(config, variables.total, tuple(devices))
 
 

@@ -54,7 +54,9 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.distribute import group_keys
 from tfpar.distribute import layer_timing
+from tfpar.distribute import memory
 from tfpar.distribute import mirrored_placement
+from tfpar.distribute import sharded
 from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
@@ -69,11 +71,13 @@ from tfpar.keras import stages as pipeline_stages
 from tfpar.keras import steps
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
+from tfpar.plan import memory as plan_memory
 from tfpar.plan import schedule as schedule_lib
+from tfpar.plan import sharding
 from tfpar.plan.communication import select_communication
 
 
-class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
+class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.MirroredStrategy):
     """Trains a Keras model cut into stages, with micro-batches in a pipeline.
 
     The model (Sequential or functional) is cut into K stages on K devices; each
@@ -104,6 +108,16 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         CPU for stages on worker processes. Each input is copied there after its forward
         and fetched back when its backward starts (DeepSpeed's CPU checkpointing).
       num_replicas: R, pipeline replicas (data parallelism over pipelines).
+      shard: ZeRO over each stage's R replicas (DeepSpeed's pipeline with ZeRO; needs
+        R >= 2). None: every copy of a stage keeps all its state. "optimizer" (stage 1):
+        each variable of a stage has one owner among the stage's R devices
+        (`tfpar.plan.sharding`, even bytes per stage), which alone keeps its optimizer
+        state and updates it; the updated values are all-gathered into the other copies.
+        "gradients" (stage 2): also, each device keeps only its own variables' reduced
+        gradients. "parameters" (stage 3): also, each variable lives on its owner only,
+        and the stage's other devices read it from there in each micro-batch's forward and
+        backward (kept from the forward to the backward pass, as
+        `DataParallelStrategy(reshard_after_forward=False)`). Checkpoints hold full state.
       num_stages: K; None: len(devices) / num_replicas. With
         `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
       virtual_stages: v, model chunks per device (interleaved schedules): the model is
@@ -169,7 +183,9 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
                  cluster_resolver=None, connect_timeout_seconds=60.0,
-                 stage_timeout_seconds=120.0, offload_activations=False):
+                 stage_timeout_seconds=120.0, offload_activations=False, shard=None):
+        self._tfpar_shard_stage = sharding.check_shard(shard)
+        self.shard = shard
         if not isinstance(remat, bool):
             raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
         _check_offload(offload_activations, remat)
@@ -197,6 +213,7 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         if self._workers is not None:
             self._workers.check_replicas(resolved, num_replicas)
         num_stages = _stage_count(len(resolved), num_replicas, num_stages)
+        _check_shard(shard, num_replicas, self._workers, schedule, balance_by)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
         self._offload = offload_activations
@@ -214,6 +231,11 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
         # Read by MirroredExtended.
         internals.set_attr(self, "_collective_key_base", group_keys.next_key_base())
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
+        # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
+        # a variable's copies); collectives through the stages' cross-device ops.
+        self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
+        sharded.set_up(self, num_replicas, lambda: sharded.ShardCollectives("all_reduce"),
+                       group_of=mirrored_placement.devices_of)
         keras_hooks.install_variable_births()
         keras_hooks.install_model_call_hook()
         keras_hooks.install_train_step_hook()
@@ -229,7 +251,7 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
                 f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
                 f"remat={self._remat}, "
                 f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
-                f"replicas={len(self._grid)})")
+                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''})")
 
     @property
     def num_stages(self):
@@ -261,6 +283,43 @@ class PipelineStrategy(PlacingStrategy, tf.distribute.MirroredStrategy):
     def communication(self):
         """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs)."""
         return self.extended.stage_communication
+
+    def _tfpar_memory_config(self, optimizer_slots=2):
+        # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
+        # stages: the model's own cut when its layers weigh alike).
+        return plan_memory.MemoryConfig(
+            "pipeline", self.num_stages, shard=self.shard, optimizer_slots=optimizer_slots,
+            num_replicas=len(self._grid), reshard_after_forward=False)
+
+    def memory_report(self, model, optimizer=None):
+        """Bytes each device holds for training `model` (placing it now if it was not yet),
+        as a `tfpar.plan.MemoryEstimate` whose devices are `stage_devices` in order
+        (replica r's stage s at r * K + s), to compare with
+        `tfpar.plan.estimate_memory(model, strategy)`. Weights and optimizer state: the
+        variables resident on each device. Gradients: each stage's variables' on each of its
+        devices, their owner's only under shard="gradients" and "parameters". Gather
+        (shard="parameters"): the stage's variables a device reads from other owners, all
+        kept from the forward to the backward pass. `optimizer`: the one a custom loop
+        trains with (default: the compiled one)."""
+        self._place(model)
+        devices = [d for row in self._grid for d in row]
+        stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
+        gradients, gather = [0] * len(devices), [0] * len(devices)
+        for variable in model.trainable_weights:
+            value = internals.attr(variable, "_value")
+            copies = (owners.group_devices(value) if stage
+                      else mirrored_placement.devices_of(value))
+            held = memory.resident_bytes(self, [variable], devices)
+            size = memory.num_bytes(variable)
+            for r, device in enumerate(copies):
+                i = devices.index(device)
+                if stage < 2 or owners.owner_of(value) == r:
+                    gradients[i] += size
+                if not held[i]:
+                    gather[i] += size
+        config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
+        return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
+                              config, devices, gradients, gather)
 
     def schedule_table(self):
         """The schedule as a time-step x stage grid (e.g. `1F0`), with its bubble fraction."""
@@ -525,6 +584,33 @@ def _stage_count(num_devices, num_replicas, num_stages):
     return num_stages
 
 
+def _check_shard(shard, num_replicas, workers, schedule, balance_by):
+    """Refuses what ZeRO over a pipeline's replicas cannot do, saying what to use."""
+    if not shard:
+        return
+    if num_replicas < 2:
+        raise ValueError(
+            f"shard={shard!r} divides each stage's state over the stage's num_replicas "
+            f"copies; with num_replicas={num_replicas} there is one copy and nothing to "
+            f"divide. Pass num_replicas=2 or more (num_replicas x num_stages devices), or "
+            f"drop shard.")
+    if workers is not None:
+        raise ValueError(
+            f"shard={shard!r} with stages on other processes is not supported (a pipeline "
+            f"across processes has one replica). Drop shard, or train on one host.")
+    name = schedule.name if isinstance(schedule, schedule_lib.Schedule) else schedule
+    if name == "2bw":
+        raise ValueError(
+            f"schedule='2bw' keeps an older copy of every weight next to each replica's "
+            f"copy, which shard={shard!r} does not divide. Use schedule='1f1b' (the same "
+            f"order and bubble) with shard, or schedule='2bw' without shard.")
+    if shard == "parameters" and balance_by == "time":
+        raise ValueError(
+            "shard='parameters' makes each variable on its owner's stage device when the "
+            "model is placed; balance_by='time' times layers before that, on another "
+            "device. Use balance_by='params' or tfpar.layers.StageBoundary markers.")
+
+
 def _check_offload(offload, remat):
     if offload is False or offload is None:
         return
@@ -607,14 +693,29 @@ class _PipelineExtended(
                 results[i] = value
         return results
 
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
+        if not sharded.colocates_with_owned(self._container_strategy(), colocate_with_variable):
+            super()._validate_colocate_with_variable(colocate_with_variable)
+
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         home = variable_birth.current_variable_home()  # Where tfpar says it is born.
+        if (home is None and colocate_with is None and kwargs.get("trainable", True)
+                and self._container_strategy()._tfpar_shard_stage == 3):
+            home = self._container_strategy()._default_home  # (A variable of no layer.)
         copies = None
         if colocate_with is None and home is not None:
             # MirroredExtended makes one copy per device of `colocate_with._devices`.
             copies = tuple(map(canonical_device, home * len(self._grid) if len(home) == 1
                                else home))
+        # Under shard=...: optimizer state on its variable's owner among the stage's
+        # devices; under shard="parameters", a trainable variable on its owner only.
+        owned = sharded.on_owner(self._container_strategy(), next_creator, kwargs,
+                                 copies, 0)
+        if owned is not None:
+            return owned
+        if copies is not None:
             kwargs["colocate_with"] = _Copies(copies)
         variable = super()._create_variable(next_creator, **kwargs)
         if copies is not None:
