@@ -69,6 +69,16 @@ PIPELINE_REPLICA_FEATURES = DP4_FEATURES + ["gradient_accumulation", "mixed_floa
 # a one-device run of the same delayed rule (semantics.DelayedUpdates).
 TWO_BW_FEATURES = ["loss_sum", "sample_weight", "partial_last_batch", "add_loss",
                    "frozen_layer", "recompile", "gradient_accumulation"]
+# Features run on pipeline replicas with ZeRO stage 1 over each stage's replicas (R=2 x
+# K=2): the core rows (losses, weights, partial batches, statistics, accumulation, loss
+# scaling, frozen layers, saving, a custom loop) and the refusals.
+PIPELINE_ZERO_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "partial_last_batch",
+                          "batchnorm", "gradient_accumulation", "mixed_float16", "recompile",
+                          "frozen_layer", "save_keras_load", "custom_loop", "custom_train_step"]
+# Stages 2 and 3 share stage 1's update (stage 3 also where each variable lives): a smaller
+# core.
+PIPELINE_ZERO23_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "gradient_accumulation",
+                            "frozen_layer", "save_keras_load", "custom_loop"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -141,6 +151,11 @@ def _expected():
             cells[f, "2bw"] = DELAYED_UPDATES
         if f not in GPIPE_FEATURES:
             cells.pop((f, "gpipe"))
+        replicas = cells.get((f, "pipe_r2k2"), cells[f, "1f1b"])
+        if f in PIPELINE_ZERO_FEATURES:
+            cells[f, "pipe_zero1"] = replicas
+        if f in PIPELINE_ZERO23_FEATURES:
+            cells[f, "pipe_zero2"] = cells[f, "pipe_zero3"] = replicas
         if f not in PIPELINE_REPLICA_FEATURES:
             cells.pop((f, "pipe_r2k2"))
     return cells
@@ -179,6 +194,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "1f1b": "1F1B K2 M4", "zb": "ZB-H1 K2 M4", "2bw": "2BW K2 M4",
            "pipe_r2k2": "1F1B R2 K2 M2", "zero1": "ZeRO-1 DP 2", "zero2": "ZeRO-2 DP 2",
            "zero3": "ZeRO-3 DP 2", MULTI_WORKER: "DP 2 workers",
+           "pipe_zero1": "1F1B R2 K2 M2 ZeRO-1", "pipe_zero2": "1F1B R2 K2 M2 ZeRO-2",
+           "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
            harness.MESH: "keras.distribution DP 2 x TP 2"}
 
 

@@ -44,6 +44,9 @@ STRATEGIES = {
     "1f1b": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="1f1b"),
     "pipe_r2k2": lambda: tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2,
                                                 schedule="1f1b"),
+    "pipe_zero1": lambda: _pipeline_zero("optimizer"),
+    "pipe_zero2": lambda: _pipeline_zero("gradients"),
+    "pipe_zero3": lambda: _pipeline_zero("parameters"),
     "zero1": lambda: tfpar.DataParallelStrategy(cpus(2), shard="optimizer"),
     "zero2": lambda: tfpar.DataParallelStrategy(cpus(2), shard="gradients"),
     "zero3": lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
@@ -51,6 +54,8 @@ STRATEGIES = {
                                          schedule="zero_bubble_h1"),
     "2bw": lambda: tfpar.PipelineStrategy(cpus(2), num_micro_batches=4, schedule="2bw"),
 }
+# "pipe_zero1/2/3": pipe_r2k2 with ZeRO stage 1, 2 or 3 over each stage's 2 replicas
+# (expected.PIPELINE_ZERO_FEATURES, expected.PIPELINE_ZERO23_FEATURES).
 # Strategies run on every feature; "dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb"
 # (zero-bubble H1: the backward split into input and weight gradients) and "2bw" run on
 # representative subsets (expected.DP4_FEATURES, expected.PIPELINE_REPLICA_FEATURES: those
@@ -58,7 +63,8 @@ STRATEGIES = {
 # expected.ZERO2_FEATURES, expected.GPIPE_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3
 # and 1F1B share their code and run on all; expected.TWO_BW_FEATURES). (The subsets keep the
 # suite's time down: a cell costs 2-14 s, mostly TensorFlow tracing.)
-SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw")
+SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw", "pipe_zero1",
+                  "pipe_zero2", "pipe_zero3")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
@@ -81,9 +87,16 @@ STRATEGIES[MESH] = _mesh_strategy
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
-            "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1}
+            "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1, "pipe_zero1": 2,
+            "pipe_zero2": 2, "pipe_zero3": 2}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
-                 "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1}
+                 "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1,
+                 "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2}
+
+
+def _pipeline_zero(shard):
+    return tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_replicas=2,
+                                  schedule="1f1b", shard=shard)
 
 
 def make_strategy(sid):
