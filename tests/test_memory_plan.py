@@ -137,7 +137,8 @@ def test_format_has_a_row_per_device():
     (dict(activation_bytes=-1), "activation_bytes must be a whole number >= 0"),
     (dict(dtype_bytes=0), "dtype_bytes must be a whole number >= 1"),
     (dict(shard="weights"), "shard must be None"),
-    (dict(kind="pipeline", shard="optimizer"), "kind='pipeline' splits the model"),
+    (dict(kind="model", shard="optimizer"), "kind='model' is one copy of the model"),
+    (dict(num_replicas=2), "num_replicas counts the copies of a pipeline"),
     (dict(kind="sharded"), "kind='sharded' needs shard="),
 ])
 def test_bad_configs_say_what_to_fix(kwargs, match):
@@ -388,3 +389,19 @@ def test_paced_gradients_hold_a_window_not_the_stage_share():
         windowed = MemoryConfig(kind, 2, shard, gradient_window_bytes=4)
         assert (estimate_memory(sizes, windowed).devices
                 == estimate_memory(sizes, MemoryConfig(kind, 2, shard)).devices)
+
+
+@pytest.mark.parametrize("shard, per_param", [
+    (None, 16), ("optimizer", 8 + 8 / 2), ("gradients", 4 + 12 / 2), ("parameters", 16 / 2)])
+def test_a_pipeline_shards_each_stage_over_its_replicas(shard, per_param):
+    """K=2 stages x R=2 replicas: each stage's 4 equal variables, two per owner; devices in
+    the order of PipelineStrategy.stage_devices (replica r's stage s at r * K + s)."""
+    config = MemoryConfig("pipeline", 2, shard=shard, num_replicas=2,
+                          reshard_after_forward=False)
+    estimate = estimate_memory([100] * 8, config)
+    assert len(estimate.devices) == 4
+    for device in estimate.devices:
+        assert (device.weights + device.gradients + device.optimizer) / 400 == per_param
+        assert device.gather_buffer == (200 * 4 if shard == "parameters" else 0)
+    assert config.strategy() == ("PipelineStrategy(num_stages=2, num_replicas=2"
+                                 + (f", shard={shard!r})" if shard else ")"))
