@@ -84,6 +84,30 @@ def test_remat_and_offloaded_activations_under_stage_3():
     _check_equal(model, ("adam", "1f1b remat offload"), "parameters")
 
 
+def _five_layers():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,))]
+                            + [keras.layers.Dense(8, activation="tanh") for _ in range(4)]
+                            + [keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("shard, schedule, virtual_stages", [
+    ("optimizer", "zero_bubble_h1", 1), ("parameters", "interleaved_1f1b", 2)])
+def test_split_backward_and_interleaved_schedules(shard, schedule, virtual_stages):
+    """Zero-bubble H1 (input and weight gradients apart) and interleaved 1F1B (two chunks
+    per device, whose variables share their device's owners)."""
+    x, y = toy_data(n=64)
+    models = []
+    for strategy in (None, _strategy(shard, schedule, virtual_stages=virtual_stages)):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = _five_layers()
+            model.compile(_optimizer("adam"), LOSS)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        models.append(model)
+    for got, want in zip(models[1].get_weights(), models[0].get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def _stage_devices(strategy, variable):
     """The devices of the copies of `variable` under an unsharded twin: its stage's R
     devices, read from where the mirrored copies live."""
