@@ -188,8 +188,9 @@ OVERRIDES = {
                             "a pipeline's per-stage reductions)",
     "_experimental_distribute_dataset": "MirroredExtended, CollectiveAllReduceExtended: a first "
                                         "batch that does not split into replicas fails clearly",
-    "_validate_colocate_with_variable": "MirroredExtended, CollectiveAllReduceExtended: "
-                                        "optimizer state colocated with a sharded variable",
+    "_validate_colocate_with_variable": "MirroredExtended (data parallelism, pipelines), "
+                                        "CollectiveAllReduceExtended: optimizer state "
+                                        "colocated with a sharded variable",
     "_reduce_to": "CollectiveAllReduceExtended: reductions of values kept by one replica",
     "_batch_reduce_to": "MirroredExtended: a pipeline's gradients reduced stage by stage",
     "_get_cross_device_ops": "MirroredExtended: each pipeline stage's own cross-device ops",

@@ -306,7 +306,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
         gradients, gather = [0] * len(devices), [0] * len(devices)
         for variable in model.trainable_weights:
-            value = internals.attr(variable, "_value")
+            value = variable.value  # (Its tf.Variable, as Keras' optimizer colocates with.)
             copies = (owners.group_devices(value) if stage
                       else mirrored_placement.devices_of(value))
             held = memory.resident_bytes(self, [variable], devices)
