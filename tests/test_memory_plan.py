@@ -332,6 +332,17 @@ def test_cli_estimate_prints_the_table():
     assert "19.5 KiB" in result.stdout and "10.00 B/param" in result.stdout
 
 
+def test_cli_estimates_a_pipeline_with_zero_over_its_replicas():
+    result = _cli("estimate", "--sizes", "100,100,100,100", "--devices", "2", "--kind",
+                  "pipeline", "--replicas", "2", "--shard", "optimizer")
+    assert result.returncode == 0, result.stderr
+    assert "PipelineStrategy(num_stages=2, num_replicas=2, shard='optimizer')" in result.stdout
+    # Each of the 4 devices: its stage's 200 weights and gradients, Adam's state of its 100.
+    rows = [line.split() for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+    assert all(row[-2:] == ["2.3", "KiB"] for row in rows), rows
+
+
 @pytest.mark.parametrize("args,message", [
     (["--params", "-5"], "argument --params: must be at least 1. Received: '-5'"),
     (["--devices", "0"], "argument --devices: must be at least 1. Received: '0'"),

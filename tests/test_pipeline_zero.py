@@ -14,15 +14,8 @@ import tfpar
 from tfpar.keras import internals
 
 from conftest import cpus, small_model, toy_data
-
-STAGES = ["optimizer", "gradients", "parameters"]
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-BATCH = 16
-
-
-def _optimizer(name):
-    return (keras.optimizers.SGD(0.1, momentum=0.9) if name == "sgd_momentum"
-            else keras.optimizers.Adam(0.01))
+# The data-parallel ZeRO tests' stages, loss, batch, optimizers and balanced model.
+from test_sharded import BATCH, LOSS, STAGES, _optimizer, balanced_memory_report
 
 
 def _strategy(shard, schedule="1f1b", **kwargs):
@@ -185,38 +178,23 @@ def test_checkpoints_are_unsharded_and_load_on_one_device(tmp_path):
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
-def _balanced_model():
-    # Eight equal kernels (plus small biases): four per stage, two per owner.
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(64) for _ in range(8)])
-
-
 @pytest.mark.parametrize("shard, per_param", [
     (None, 16), ("optimizer", 8 + 8 / 2), ("gradients", 4 + 12 / 2), ("parameters", 16 / 2)])
 def test_measured_bytes_per_device_match_zero_over_each_stage(shard, per_param):
-    """fp32 Adam, K=2 x R=2: each device holds its stage's state divided as ZeRO divides it
-    over 2 replicas (bytes per parameter of its stage), measured from where the variables
-    live; `tfpar.plan.estimate_memory` of the strategy agrees."""
+    """fp32 Adam, K=2 x R=2, eight equal Dense layers (four per stage, two per owner): each
+    device holds its stage's state divided as ZeRO divides it over 2 replicas (bytes per
+    parameter of its stage), measured from where the variables live;
+    `tfpar.plan.estimate_memory` of the strategy agrees."""
     strategy = _strategy(shard)
-    with strategy.scope():
-        model = _balanced_model()
-        model.compile(keras.optimizers.Adam(1e-3), "mse")
-    x = np.zeros((8, 64), "float32")
-    model.fit(x, x, batch_size=8, epochs=1, verbose=0)
-    report = strategy.memory_report(model)
-    assert report.num_params == 8 * (64 * 64 + 64)
+    report = balanced_memory_report(strategy)
+    assert len(report.devices) == 4 and report.config.num_replicas == 2
     stage_params = report.num_params / 2
-    assert len(report.devices) == 4
     for device in report.devices:
         resident = device.weights + device.gradients + device.optimizer
         assert abs(resident / stage_params - per_param) / per_param < 0.05, (shard, device)
+        # Stage 3: the stage's variables it reads from the other owner, all kept.
         gathered = stage_params * 4 - device.weights if shard == "parameters" else 0
         assert device.gather_buffer == gathered, (shard, device)
-    estimate = tfpar.plan.estimate_memory(model, strategy)
-    assert estimate.config.num_replicas == 2 and estimate.config.shard == shard
-    for measured, estimated in zip(report.devices, estimate.devices):
-        assert abs(measured.total - estimated.total) / estimated.total < 0.05, (
-            shard, measured, estimated)
 
 
 def test_what_the_combination_cannot_do_is_refused_at_construction():

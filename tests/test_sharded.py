@@ -407,24 +407,31 @@ def test_measured_bytes_per_replica_match_the_zero_figures(shard, per_param):
     gradient buffer the traced step allocated; the ZeRO paper's figures per parameter."""
     n = 4
     strategy = tfpar.DataParallelStrategy(cpus(n), shard=shard)
+    report = balanced_memory_report(strategy)
+    params = report.num_params
+    largest = 64 * 64 * 4
+    for device in report.devices:
+        resident = device.weights + device.gradients + device.optimizer
+        assert abs(resident / params - per_param(n)) / per_param(n) < 0.05, (shard, device)
+        assert device.gather_buffer == (largest if shard == "parameters" else 0)
+
+
+def balanced_memory_report(strategy):
+    """`strategy.memory_report` of `_balanced_model` with Adam after a step, checked against
+    the estimate made from shapes alone (`tfpar.plan.estimate_memory`, within 5%)."""
     with strategy.scope():
         model = _balanced_model()
         model.compile(keras.optimizers.Adam(1e-3), "mse")
     x = np.zeros((8, 64), "float32")
     model.fit(x, x, batch_size=8, epochs=1, verbose=0)
     report = strategy.memory_report(model)
-    params = report.num_params
-    assert params == 8 * (64 * 64 + 64)
-    largest = 64 * 64 * 4
-    for device in report.devices:
-        resident = device.weights + device.gradients + device.optimizer
-        assert abs(resident / params - per_param(n)) / per_param(n) < 0.05, (shard, device)
-        assert device.gather_buffer == (largest if shard == "parameters" else 0)
-    # The estimate made from shapes alone agrees with the measurement.
+    assert report.num_params == 8 * (64 * 64 + 64)
     estimate = tfpar.plan.estimate_memory(model, strategy)
+    assert len(estimate.devices) == len(report.devices)
     for measured, estimated in zip(report.devices, estimate.devices):
         assert abs(measured.total - estimated.total) / estimated.total < 0.05, (
-            shard, measured, estimated)
+            strategy, measured, estimated)
+    return report
 
 
 def _ancestors(tensors):
