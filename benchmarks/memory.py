@@ -41,21 +41,23 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from tfpar.cluster import memory_cgroup  # noqa: E402
+from tfpar.cluster import launcher, memory_cgroup  # noqa: E402
 
-CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2", "remat2", "offload2")
+CONFIGS = ("one", "data2", "zero1", "zero2", "zero3", "pipeline2", "model2", "remat2",
+           "offload2")
 SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 # Each configuration's --strategy of examples/bigger_than_one_worker.py.
 EXAMPLE_STRATEGY = {"one": "one", "data2": "data", "zero1": "zero1", "zero2": "zero2",
                     "zero3": "zero3", "pipeline2": "pipeline", "remat2": "pipeline",
-                    "offload2": "pipeline"}
+                    "offload2": "pipeline", "model2": "model"}
 # A pipeline's 2 stages on 2 tfpar.server workers, its chief beside them.
-PIPELINES = ("pipeline2", "remat2", "offload2")
+PIPELINES = ("pipeline2", "model2", "remat2", "offload2")  # A chief and 2 served workers.
 # remat2 / offload2: a pipeline with remat, its stage inputs kept on the stage worker or
 # offloaded to the chief, on a model whose kept activations dominate (--offload_shape).
 OFFLOADING = ("remat2", "offload2")
 BATCH = 16  # The example's.
 STEPS = 2
+TINY = {"width": 64, "layers": 2, "offload_shape": "64,2,64,4"}  # The base runs.
 
 
 # -- the model (sizes for the plan, without TensorFlow) -------------------------------------
@@ -85,35 +87,41 @@ def _remat_activations(config, width, layers, batch, micro_batches):
     return 2 * (kept + rerun)
 
 
-def planned_bytes(config, args, base):
-    """Per process: [(task, planned bytes)] = base + the plan's per-device peak (SGD with
-    momentum: one slot). The chief of a pipeline holds no stage: base only."""
+def planned_bytes(config, args):
+    """Per process: {task: planned bytes beyond the base} = the plan's per-device peak (SGD
+    with momentum: one slot; the input batches the estimator counts). A pipeline's chief
+    holds no stage: the program's own data (the whole dataset, made from arrays, and the
+    batch it is cutting), and what is offloaded to it."""
     from tfpar.plan import memory as plan
     from tfpar.plan import sharding
 
     width, layers, batch, micro_batches = shape(config, args)
     sizes = variable_sizes(width, layers)
+    one_batch = 4 * batch * width + 4 * batch  # Inputs and labels, fp32 and int32.
     # Kept for the backward pass: each layer's input and output, fp32, per example.
     activations = 4 * batch * (2 * width * layers + width)
     if config in OFFLOADING:
         activations = _remat_activations(config, width, layers, batch, micro_batches)
+    common = dict(optimizer_slots=1, activation_bytes=activations, input_bytes=one_batch)
     if config == "one":
-        cfg = plan.MemoryConfig("data", 1, optimizer_slots=1, activation_bytes=activations)
+        cfg = plan.MemoryConfig("data", 1, **common)
     elif config == "data2":
-        cfg = plan.MemoryConfig("data", 2, optimizer_slots=1, activation_bytes=activations)
+        cfg = plan.MemoryConfig("data", 2, **dict(common, input_bytes=one_batch // 2))
     elif config in SHARDS:
         # Stages 1-2 across workers on CPUs send each gradient as it is made, the
         # backward pass pacing itself to a bucket in flight (what the strategy reports).
-        cfg = plan.MemoryConfig("sharded", 2, shard=SHARDS[config], optimizer_slots=1,
-                                activation_bytes=activations,
-                                gradient_window_bytes=sharding.DEFAULT_BUCKET_BYTES)
+        cfg = plan.MemoryConfig("sharded", 2, shard=SHARDS[config],
+                                gradient_window_bytes=sharding.DEFAULT_BUCKET_BYTES,
+                                **dict(common, input_bytes=one_batch // 2))
     else:
-        cfg = plan.MemoryConfig("pipeline", 2, optimizer_slots=1, activation_bytes=activations)
+        cfg = plan.MemoryConfig("model" if config == "model2" else "pipeline", 2, **common)
     devices = plan.estimate_memory(sizes, cfg).devices
     tasks = _tasks(config)
     if config in PIPELINES:
-        return {"chief-0": base, **{t: base + d.total for t, d in zip(tasks[1:], devices)}}
-    return {t: base + d.total for t, d in zip(tasks, devices)}
+        offloaded = 4 * batch * width if config == "offload2" else 0  # The last stage's.
+        chief = STEPS * one_batch + one_batch + offloaded
+        return {"chief-0": chief, **{t: d.total for t, d in zip(tasks[1:], devices)}}
+    return {t: d.total for t, d in zip(tasks, devices)}
 
 
 def _tasks(config):
@@ -213,7 +221,8 @@ def run_config(config, args, limit, workdir):
     procs = {}
     for task, tf_config in _tf_configs(config).items():
         group = memory_cgroup.MemoryCgroup(f"tfpar_memory_{os.getpid()}_{config}_{task}", limit)
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+        # As `tfpar launch` starts its tasks (launcher.MALLOC_ENV) unless told otherwise.
+        env = dict(launcher.MALLOC_ENV, **dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
         env.pop("TF_CONFIG", None)
         if tf_config:
             env["TF_CONFIG"] = tf_config
@@ -302,6 +311,9 @@ def main(argv=None):
                         help="per-process cap: bytes, or a fraction f of one process's need "
                              "beyond the base (base + f x (one - base))")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--base", default="tiny", choices=["tiny", "import"],
+                        help="each process's base: the same processes training a tiny model "
+                             "(tiny), or one process that only imports tfpar (import)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
     args = parser.parse_args(argv)
     if args.role == "task":
@@ -340,13 +352,20 @@ def main(argv=None):
             print("no cgroups here: the cap is not enforced, peaks are measured and "
                   "compared with the plan", flush=True)
         results = {}
+        tiny = argparse.Namespace(**dict(vars(args), **TINY))
         for config in configs:
+            # The base of each process: the same program and strategy training a model
+            # too small to matter (the runtime, its cluster and traced steps).
+            bases = run_config(config, tiny, None, workdir) if args.base == "tiny" else {}
             figures = run_config(config, args, limit, workdir)
-            for kind in ("rss", "cgroup"):
-                if base[kind] is not None:
-                    plan = planned_bytes(config, args, base[kind])
-                    for task, f in figures.items():
-                        f[f"planned_{kind}"] = plan.get(task)
+            planned = planned_bytes(config, args)
+            for task, f in figures.items():
+                f["planned_allocator"] = planned[task]
+                for kind in ("rss", "cgroup"):
+                    task_base = bases.get(task, {}).get(f"{kind}_peak", base[kind])
+                    if task_base is not None:
+                        f[f"base_{kind}"] = task_base
+                        f[f"planned_{kind}"] = task_base + planned[task]
             results[config] = figures
             _print(config, figures)
     for config, figures in results.items():
@@ -376,13 +395,14 @@ def _print(config, figures):
         peak, planned = f.get(f"{kind}_peak"), f.get(f"planned_{kind}")
         if peak is None:
             return f"{kind} -"
-        return (f"{kind} {peak / mib:7.0f} MiB" + (f" / plan {planned / mib:6.0f} = "
-                                                   f"{peak / planned:4.2f}" if planned else ""))
+        return (f"{kind} {peak / mib:5.0f} MiB" + (f" / plan {planned / mib:5.0f} = "
+                                                   f"{peak / planned:4.2f}" if planned else
+                                                   " / plan     0       "))
 
     for task, f in sorted(figures.items()):
-        print(f"{config:9s} {task:8s} exit {f['exit']:>3}  {against('rss', f)}  "
-              f"{against('cgroup', f)}  allocator peak {f.get('allocator_peak', 0) / mib:6.0f} "
-              f"MiB  oom kills {f.get('oom_kills', '-')}", flush=True)
+        print(f"{config:9s} {task:8s} exit {f['exit']:>3}  {against('allocator', f)}  "
+              f"{against('rss', f)}  {against('cgroup', f)}  oom kills "
+              f"{f.get('oom_kills', '-')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ from absl import app, flags  # noqa: E402
 import tfpar  # noqa: E402  (cheap: TensorFlow is imported on first use)
 from tfpar.cluster import parse_tf_config  # noqa: E402
 
-STRATEGIES = ("one", "data", "zero1", "zero2", "zero3", "pipeline")
+STRATEGIES = ("one", "data", "zero1", "zero2", "zero3", "pipeline", "model")
 flags.DEFINE_enum("strategy", "zero3", STRATEGIES,
                   "one: this process alone; data: data parallelism across the TF_CONFIG "
                   "workers; zeroN: with ZeRO stage N; pipeline: one stage per worker (run "
-                  "with tfpar launch --coordinator).")
+                  "with tfpar launch --coordinator); model: model parallelism, the layers "
+                  "placed on the workers' CPUs from the chief (also --coordinator).")
 flags.DEFINE_integer("width", 2048, "Units of each hidden layer (and inputs).")
 flags.DEFINE_integer("layers", 24, "Hidden layers.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches of a pipeline step.")
@@ -69,6 +70,14 @@ def make_strategy(name, micro_batches=4, remat=False, offload="none"):
             num_micro_batches=micro_batches, remat=remat,
             offload_activations=CHIEF_CPU if offload == "chief" else False,
             cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    if name == "model":
+        # The chief joins the cluster itself and names the workers' devices. (Given a
+        # ClusterSpec: given the resolver, TensorFlow puts all work on the chief's device.)
+        spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+        tf.config.experimental_connect_to_cluster(spec, job_name="chief", task_index=0)
+        workers = spec.num_tasks("worker")
+        return tfpar.ModelParallelStrategy(
+            devices=[f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(workers)])
     return tfpar.DataParallelStrategy(shard=SHARDS.get(name), timeout_seconds=600)
 
 
@@ -89,7 +98,8 @@ def make_data(width, first_step, steps, batch=BATCH):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=((first_step + steps) * batch, width)).astype("float32")
+    # float32 straight away: a float64 draw would double the program's own peak.
+    x = rng.standard_normal(size=((first_step + steps) * batch, width), dtype=np.float32)
     y = (np.arange(len(x)) % 10).astype("int32")
     return x[first_step * batch:], y[first_step * batch:]
 

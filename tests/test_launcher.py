@@ -527,3 +527,15 @@ def test_memory_cap_must_be_a_size():
                              "pass"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "Cannot read 'lots' as bytes" in result.stderr
+
+
+@pytest.mark.parametrize("given", [None, "8"])
+def test_tasks_keep_two_malloc_arenas_unless_the_environment_says(tmp_path, given):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    if given:
+        env["MALLOC_ARENA_MAX"] = given
+    lines = []
+    code = "import os; print('arenas', os.environ.get('MALLOC_ARENA_MAX'))"
+    launcher = Launcher([PY, "-c", code], 1, output=lines.append, env=env)
+    assert launcher.run() == 0
+    assert [line for line in lines if "arenas" in line] == [f"[worker:0] arenas {given or 2}"]

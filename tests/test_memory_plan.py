@@ -416,3 +416,17 @@ def test_a_pipeline_shards_each_stage_over_its_replicas(shard, per_param):
         assert device.gather_buffer == (200 * 4 if shard == "parameters" else 0)
     assert config.strategy() == ("PipelineStrategy(num_stages=2, num_replicas=2"
                                  + (f", shard={shard!r})" if shard else ")"))
+
+
+def test_input_batches_sit_on_every_replica_and_on_a_pipelines_first_stage_only():
+    data = estimate_memory([100] * 4, MemoryConfig("data", 2, input_bytes=1000))
+    assert [d.inputs for d in data.devices] == [4000, 4000]  # In use, arriving, 2 prefetched.
+    pipe = estimate_memory([100] * 4, MemoryConfig("pipeline", 2, num_replicas=2,
+                                                   input_bytes=1000, input_copies=3))
+    assert [d.inputs for d in pipe.devices] == [3000, 0, 3000, 0]
+    assert estimate_memory([100] * 4, MemoryConfig("pipeline", 2, input_bytes=1000)).devices[
+        0].inputs == 5000  # And the micro-batches cut from the batch.
+    assert (pipe.devices[0].total - pipe.devices[1].total) == 3000
+    assert "inputs" in pipe.format()
+    with pytest.raises(ValueError, match="input_copies"):
+        MemoryConfig("data", 2, input_copies=-1)

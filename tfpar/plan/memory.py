@@ -126,7 +126,11 @@ class MemoryConfig:
     (stages 1-2 across workers on CPUs): each gradient goes to its owner as the backward
     pass makes it, which waits once this many bytes are in flight, so a replica holds
     about that and two of the largest variable's gradients instead of the stage's share
-    (0: the stage's share).
+    (0: the stage's share). `input_bytes` is one batch of inputs and targets of one model
+    copy (per replica for data parallelism); the device that takes them (every replica,
+    a split model's first device) holds `input_copies` such batches at once: measured
+    on CPU workers, 4 (the batch in use, the one arriving, two prefetched), and a
+    pipeline's first stage one more (the micro-batches cut from it). None: those.
 
     >>> MemoryConfig("sharded", 8, shard="gradients").stage
     2
@@ -141,14 +145,18 @@ class MemoryConfig:
     reshard_after_forward: bool = True
     gradient_window_bytes: int = 0
     num_replicas: int = 1
+    input_bytes: int = 0
+    input_copies: int = None
 
     def __post_init__(self):
+        if self.input_copies is None:
+            object.__setattr__(self, "input_copies", 5 if self.kind == "pipeline" else 4)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}. "
                              f"Received: kind={self.kind!r}")
         for name, minimum in (("num_devices", 1), ("optimizer_slots", 0), ("dtype_bytes", 1),
                               ("activation_bytes", 0), ("gradient_window_bytes", 0),
-                              ("num_replicas", 1)):
+                              ("num_replicas", 1), ("input_bytes", 0), ("input_copies", 0)):
             object.__setattr__(self, name, _count(name, getattr(self, name), minimum))
         stage = sharding.check_shard(self.shard)
         if self.kind == "model" and stage:
@@ -199,11 +207,12 @@ class DeviceMemory:
     optimizer: int
     activations: int
     gather_buffer: int = 0  # ZeRO stage 3: a variable gathered from its owner to be used.
+    inputs: int = 0  # Batches of input data held at once.
 
     @property
     def total(self):
         return (self.weights + self.gradients + self.optimizer + self.activations
-                + self.gather_buffer)
+                + self.gather_buffer + self.inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,20 +237,23 @@ class MemoryEstimate:
     def format(self):
         """A plain-text table of each device's bytes."""
         rows = [[i] + [format_bytes(b) for b in (d.weights, d.gradients, d.optimizer,
-                                                 d.activations, d.gather_buffer, d.total)]
+                                                 d.activations, d.gather_buffer, d.inputs,
+                                                 d.total)]
                 for i, d in enumerate(self.devices)]
         return "\n".join(
             [f"{self.config.strategy()}: {self.num_params:,} parameters, peak "
              f"{format_bytes(self.peak)} per device ({self.peak / self.num_params:.2f} B/param)"]
             + _table(["device", "weights", "gradients", "optimizer", "activations", "gather",
-                      "total"], rows)) + "\n"
+                      "inputs", "total"], rows)) + "\n"
 
 
-def _device(config, weights, gradients, optimizer, activations, gathered=0):
-    """Bytes of a device holding these numbers of values."""
+def _device(config, weights, gradients, optimizer, activations, gathered=0, inputs=True):
+    """Bytes of a device holding these numbers of values (and the input batches if
+    `inputs`)."""
     d = config.dtype_bytes
     return DeviceMemory(d * weights, d * gradients, d * config.optimizer_slots * optimizer,
-                        activations, d * gathered)
+                        activations, d * gathered,
+                        config.input_bytes * config.input_copies if inputs else 0)
 
 
 def _gathered(variables, config, owned):
@@ -260,22 +272,23 @@ def _gradients(variables, config, owned):
     return min(share, in_flight)
 
 
-def _replicas(variables, config, num_replicas, activations):
+def _replicas(variables, config, num_replicas, activations, inputs=True):
     """Each of `num_replicas` replicas holding `variables` (ZeRO-sharded over them under
-    `config.shard`) and `activations` bytes."""
+    `config.shard`), `activations` bytes and, if `inputs`, the input batches."""
     full, stage = variables.total, config.stage
     return [_device(config, full if stage < 3 else owned,
                     _gradients(variables, config, owned), full if stage < 1 else owned,
-                    activations, _gathered(variables, config, owned))
+                    activations, _gathered(variables, config, owned), inputs)
             for owned in variables.per_owner(num_replicas)]
 
 
 def _estimate(variables, config):
     if config.kind in _SPLIT_KINDS:
         # Device (replica r, stage s) at r * K + s, as PipelineStrategy.stage_devices.
-        columns = [_replicas(stage, config, config.num_replicas, a) for stage, a in zip(
-            variables.stages(config.num_devices),
-            _even(config.activation_bytes, config.num_devices))]
+        columns = [_replicas(stage, config, config.num_replicas, a, inputs=s == 0)
+                   for s, (stage, a) in enumerate(zip(
+                       variables.stages(config.num_devices),
+                       _even(config.activation_bytes, config.num_devices)))]
         devices = [column[r] for r in range(config.num_replicas) for column in columns]
     else:
         devices = _replicas(variables, config, config.num_devices, config.activation_bytes)
