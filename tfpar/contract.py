@@ -31,6 +31,9 @@ class StrategyHooks:
     _tfpar_multi_worker = False
     # Parameter-server training: fit, evaluate and predict through a ClusterCoordinator.
     _tfpar_parameter_server = False
+    # Synchronous parameter-server training: the chief splits each batch over the workers
+    # and applies one update of their summed gradients (`_tfpar_sync_gradients`).
+    _tfpar_synchronous = False
     # Optimizer updates one variable after another (a device holds one update's temporaries).
     _tfpar_updates_in_turn = False
     # A replica's gradients live on its layers' devices (pipelines, model parallelism).
@@ -81,6 +84,9 @@ class StrategyHooks:
     _tfpar_explain_timeout = None
     # (optimizer_slots=2) -> tfpar.plan.MemoryConfig describing the strategy's layout.
     _tfpar_memory_config = None
+    # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
+    # loss counts until they are summed (`tfpar.distribute.ps_sync.SyncGradients`).
+    _tfpar_sync_gradients = None
 
 
 _DEFAULTS = StrategyHooks()

@@ -34,7 +34,7 @@ from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.data import dataset_from_function
 from tfpar.data_service import DATA_SERVICE_ENV
 from tfpar.distribute.cluster import cluster_config
-from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC
+from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC, SyncGradients
 from tfpar.errors import ClusterError
 
 
@@ -92,6 +92,7 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
                           "Start `python -m tfpar.server` for each worker and ps task with its "
                           "TF_CONFIG (tfpar launch --workers N --ps K does this)")
         self.mode = mode
+        self._tfpar_synchronous = mode == SYNC
         self.cluster_config = config
         super().__init__(cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                          variable_partitioner=variable_partitioner)
@@ -106,6 +107,10 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
     @property
     def num_workers(self):
         return len(self.cluster_config.cluster["worker"])  # The chief does not run steps.
+
+    # Asked by the Keras seam's synchronous fit loop (`tfpar.keras.parameter_server`).
+    def _tfpar_sync_gradients(self, variables, num_parts):
+        return SyncGradients(self, variables, num_parts)
 
     def __repr__(self):
         return (f"tfpar.ParameterServerStrategy(mode={self.mode!r}, workers={self.num_workers}, "
