@@ -89,6 +89,19 @@ class StrategyHooks:
     _tfpar_sync_gradients = None
 
 
+# tfpar's own attributes on Keras and TensorFlow objects (models, layers, variables) that
+# the runtime sets and reads by name: an object without one is unmarked. The runtime names
+# no other private attribute (`tests/test_layout.py`); the Keras seam's own marks stay in it.
+MARKS = {
+    "_tfpar_placed_by": "a model: the strategy that placed it",
+    "_tfpar_device": "a layer placed by ModelParallelStrategy: its device",
+    "_tfpar_original_call": "a placed layer, a pipelined model: its call before tfpar's",
+    "_tfpar_pipeline": "a pipelined model: its stages",
+    "_tfpar_weight_versions": "a pipelined model: its older weights (two weight versions)",
+    "_tfpar_colocated_with": "a pipeline's optimizer state: the variable whose devices it follows",
+    "_tfpar_written": "a MeshVariable: its value written in the graph being traced",
+}
+
 _DEFAULTS = StrategyHooks()
 
 
