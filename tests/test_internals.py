@@ -315,6 +315,7 @@ def test_an_override_of_a_missing_private_fails_closed():
 
 def _all_wraps(monkeypatch):
     """(owner name, attribute) of every wrap tfpar installs, recorded without wrapping."""
+    from tfpar.distribute import mesh_strategy
     from tfpar.keras import hooks
     from tfpar.keras import mesh
     from tfpar.keras import parameter_server
@@ -334,7 +335,7 @@ def _all_wraps(monkeypatch):
                     hooks.install_exact_replicas, hooks.install_sharded_optimizers,
                     hooks.install_parameter_server_training, hooks.install_variable_births,
                     hooks.install_model_call_hook, hooks.install_train_step_hook,
-                    mesh.use_keras_distribution):
+                    mesh_strategy.use_keras_distribution):
         install()
     from_patches = {(owner.__name__, name) for module in (
         replicas, sharded, parameter_server, variable_birth) for owner, name, _ in module.patches()}

@@ -165,23 +165,13 @@ def test_a_stray_keras_import_is_caught(tmp_path):
     assert not keras_importers_outside_the_seam({"tfpar.distribute.model_parallel": imported})
 
 
-# The seam never imports the strategies' runtime. Known exceptions, to be moved (a larger
-# refactor): the seam's keras.distribution support reads mesh devices and makes a
-# DataParallelStrategy for a keras.distribution.DataParallel; the parameter-server fit
-# loop uses the runtime's synchronous-update pieces. No new edge may appear.
-SEAM_TO_RUNTIME_KNOWN = {
-    ("tfpar.keras.mesh", "tfpar.distribute.mesh"),
-    ("tfpar.keras.mesh", "tfpar.distribute.data_parallel"),
-    ("tfpar.keras.parameter_server", "tfpar.distribute.ps_sync"),
-}
-
-
+# The seam never imports the strategies' runtime: the runtime hands the seam what it needs
+# (hooks declared in tfpar.contract, or objects given to an install function, as
+# tfpar.use_keras_distribution gives tfpar.keras.mesh its DTensor runtime).
 def test_the_seam_does_not_import_the_runtime():
-    edges = {(module, m) for module, imported in _imports_of(["tfpar.keras"]).items()
-             for m in imported if _within(m, ["tfpar.distribute"])}
-    new, gone = edges - SEAM_TO_RUNTIME_KNOWN, SEAM_TO_RUNTIME_KNOWN - edges
-    assert not new, f"new seam -> runtime imports: {sorted(new)}"
-    assert not gone, f"gone: drop them from SEAM_TO_RUNTIME_KNOWN: {sorted(gone)}"
+    edges = sorted(f"{module}: {m}" for module, imported in _imports_of(["tfpar.keras"]).items()
+                   for m in imported if _within(m, ["tfpar.distribute"]))
+    assert not edges, f"seam -> runtime imports: {edges}"
 
 
 def test_keras_is_adapted_in_the_seam_only():
@@ -194,3 +184,113 @@ def test_keras_is_adapted_in_the_seam_only():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras.src"):
                 outside.append(f"{name}: from {node.module}")
     assert not outside, outside
+
+
+# --- Privates are named in the seam only ---------------------------------------------------
+# Outside tfpar/keras/, a TensorFlow or Keras private is reached through a function of the
+# seam (tfpar.keras.tf_runtime, .tf_variables, .tf_coordinator, .models, .steps, ...). The
+# runtime uses `internals` only to declare the private methods its subclasses of TensorFlow
+# classes override (`@internals.overrides`: the override must live on the class).
+
+_ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr", "object.__setattr__",
+                    "object.__getattribute__", "object.__delattr__"}
+_PRIVATE_MODULES = ("keras.src", "tensorflow.python")
+
+
+def _docstrings(tree):
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)}
+
+
+def internals_uses(source):
+    """Uses of `tfpar.keras.internals` other than `@internals.overrides`, as 'line: code'."""
+    tree = ast.parse(source)
+    names, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "tfpar.keras.internals":
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name != "overrides"]
+        elif isinstance(node, ast.ImportFrom) and node.module == "tfpar.keras":
+            names |= {a.asname or a.name for a in node.names if a.name == "internals"}
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if a.name == "tfpar.keras.internals"]
+    decorators = {id(d) for node in ast.walk(tree)
+                  if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  for d in node.decorator_list}
+    allowed = {id(node.value) for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr == "overrides"
+               and id(node) in decorators}
+    found += [f"{node.lineno}: {node.id}" for node in ast.walk(tree)
+              if isinstance(node, ast.Name) and node.id in names and id(node) not in allowed]
+    return found
+
+
+def private_names(source, marks):
+    """String literals that name a TensorFlow or Keras private, as 'line: code': a private
+    attribute got, set, tested or deleted by name (tfpar's own marks, `marks`, and dunders
+    aside), or a private module path (`keras.src...`, `tensorflow.python...`, docstrings
+    aside)."""
+    tree = ast.parse(source)
+    docstrings, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func) in _ATTRIBUTE_CALLS
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+            name = node.args[1].value
+            if (isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+                    and name not in marks):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in docstrings
+              and any(m in node.value for m in _PRIVATE_MODULES)):
+            found.append(f"{node.lineno}: {node.value!r}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""])
+            found += [f"{node.lineno}: import {m}" for m in modules
+                      if m.startswith(_PRIVATE_MODULES)]
+    return found
+
+
+def _outside_the_seam():
+    return {name: path for name, path in _modules().items() if not _within(name, ["tfpar.keras"])}
+
+
+def test_internals_is_used_outside_the_seam_only_to_declare_overrides():
+    stray = {name: found for name, path in _outside_the_seam().items()
+             if (found := internals_uses(path.read_text()))}
+    assert not stray, stray
+
+
+def test_no_private_is_named_outside_the_seam():
+    from tfpar import contract
+
+    stray = {name: found for name, path in _outside_the_seam().items()
+             if (found := private_names(path.read_text(), contract.MARKS))}
+    assert not stray, stray
+
+
+def test_a_private_named_in_the_runtime_is_caught():
+    from tfpar import contract
+
+    assert internals_uses(
+        "from tfpar.keras import internals\n\n@internals.overrides\nclass A:\n    pass\n") == []
+    assert internals_uses(
+        "from tfpar.keras import internals\n\n"
+        "def f(s):\n    return internals.attr(s.extended, '_collective_keys')\n") == [
+        "4: internals"]
+    assert internals_uses("from tfpar.keras.internals import symbol\n") == [
+        "1: from tfpar.keras.internals import symbol"]
+    assert private_names('"""Reads keras.src.losses (a docstring)."""\n'
+                         'getattr(model, "_tfpar_placed_by", None)\n'
+                         'getattr(type(model), "__name__")\n', contract.MARKS) == []
+    assert private_names('hasattr(v, "_value")\n', contract.MARKS) == [
+        "1: hasattr(v, '_value')"]
+    assert private_names('getattr(m, "_tfpar_placd_by", None)\n', contract.MARKS) == [
+        "1: getattr(m, '_tfpar_placd_by', None)"]
+    assert private_names('f("tensorflow.python.eager.context.context")\n', {}) == [
+        "1: 'tensorflow.python.eager.context.context'"]
+    assert private_names("from keras.src import backend\n", {}) == [
+        "1: import keras.src"]

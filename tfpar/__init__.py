@@ -26,7 +26,7 @@ _EXPORTS = {
     "errors": "tfpar.errors",
     "plan": "tfpar.plan",
     "MeshStrategy": "tfpar.distribute.mesh_strategy",
-    "use_keras_distribution": "tfpar.keras.mesh",
+    "use_keras_distribution": "tfpar.distribute.mesh_strategy",
     "ProcessMemory": "tfpar.memory_probe",
     "process_memory": "tfpar.memory_probe",
     "reset_memory_peaks": "tfpar.memory_probe",

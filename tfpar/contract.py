@@ -31,6 +31,9 @@ class StrategyHooks:
     _tfpar_multi_worker = False
     # Parameter-server training: fit, evaluate and predict through a ClusterCoordinator.
     _tfpar_parameter_server = False
+    # Synchronous parameter-server training: the chief splits each batch over the workers
+    # and applies one update of their summed gradients (`_tfpar_sync_gradients`).
+    _tfpar_synchronous = False
     # Optimizer updates one variable after another (a device holds one update's temporaries).
     _tfpar_updates_in_turn = False
     # A replica's gradients live on its layers' devices (pipelines, model parallelism).
@@ -81,7 +84,23 @@ class StrategyHooks:
     _tfpar_explain_timeout = None
     # (optimizer_slots=2) -> tfpar.plan.MemoryConfig describing the strategy's layout.
     _tfpar_memory_config = None
+    # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
+    # loss counts until they are summed (`tfpar.distribute.ps_sync.SyncGradients`).
+    _tfpar_sync_gradients = None
 
+
+# tfpar's own attributes on Keras and TensorFlow objects (models, layers, variables) that
+# the runtime sets and reads by name: an object without one is unmarked. The runtime names
+# no other private attribute (`tests/test_layout.py`); the Keras seam's own marks stay in it.
+MARKS = {
+    "_tfpar_placed_by": "a model: the strategy that placed it",
+    "_tfpar_device": "a layer placed by ModelParallelStrategy: its device",
+    "_tfpar_original_call": "a placed layer, a pipelined model: its call before tfpar's",
+    "_tfpar_pipeline": "a pipelined model: its stages",
+    "_tfpar_weight_versions": "a pipelined model: its older weights (two weight versions)",
+    "_tfpar_colocated_with": "a pipeline's optimizer state: the variable whose devices it follows",
+    "_tfpar_written": "a MeshVariable: its value written in the graph being traced",
+}
 
 _DEFAULTS = StrategyHooks()
 

@@ -75,10 +75,9 @@ def task_of(device):
     names no job ('/gpu:0') is this process's."""
     import tensorflow as tf
 
-    from tfpar.keras import internals
+    from tfpar.keras.tf_runtime import canonical_device
 
-    canonicalize = internals.symbol("tensorflow.python.distribute.device_util.canonicalize")
-    spec = tf.DeviceSpec.from_string(canonicalize(device))
+    spec = tf.DeviceSpec.from_string(canonical_device(device))
     return f"/job:{spec.job}/replica:{spec.replica}/task:{spec.task}"
 
 
@@ -94,9 +93,8 @@ def spare_cpu(devices):
     `devices` take them all."""
     import tensorflow as tf
 
-    from tfpar.keras import internals
+    from tfpar.keras.tf_runtime import canonical_device as canonicalize
 
-    canonicalize = internals.symbol("tensorflow.python.distribute.device_util.canonicalize")
     taken = {canonicalize(d) for d in devices}
     host = host_task()
     spare = [canonicalize(d.name) for d in tf.config.list_logical_devices("CPU")
@@ -157,10 +155,7 @@ def resolve_devices(devices):
     """
     import tensorflow as tf
 
-    from tfpar.keras import internals
-
-    canonicalize = internals.symbol(
-        "tensorflow.python.distribute.device_util.canonicalize")
+    from tfpar.keras.tf_runtime import canonical_device as canonicalize
 
     if devices is None:
         devices = default_devices()

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tfpar.keras import internals
+from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
 
 
@@ -25,13 +25,5 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
     if communication == comm.REDUCE_TO_ONE:
         return tf.distribute.ReductionToOneDevice()
     if communication == comm.RING:
-        options = internals.symbol("tensorflow.python.distribute.collective_util.Options")
-        implementation = internals.symbol(
-            "tensorflow.python.distribute.collective_util.CommunicationImplementation")
-        return internals.symbol(
-            "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
-            devices=devices,
-            group_size=len(devices),
-            options=options(bytes_per_pack=bytes_per_pack, implementation=implementation.RING),
-            collective_keys=collective_keys)
+        return tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys)
     raise ValueError(f"No cross-device ops for communication {communication!r}.")

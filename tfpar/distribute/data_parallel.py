@@ -17,6 +17,7 @@ from tfpar.distribute.input_checks import check_first_batch
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import tf_runtime
 from tfpar.keras import sharded as keras_sharded
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
@@ -108,7 +109,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))
         # Read by MirroredExtended when it makes its CollectiveKeys.
-        internals.set_attr(self, "_collective_key_base", group_keys.next_key_base())
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         if bytes_per_pack and self.communication != "ring":
             raise ValueError(
                 f"bytes_per_pack packs gradients for communication='ring', but this strategy "
@@ -120,7 +121,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         keras_hooks.install_crash_safe_backups()
         sharded.set_up(self, len(resolved), lambda: sharded.ShardCollectives(
             sharding.collectives_for(self.communication),
-            internals.attr(extended, "_collective_keys"), resolved))
+            tf_runtime.collective_keys(extended), resolved))
 
     @property
     def cluster_resolver(self):
@@ -178,8 +179,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
 
 @internals.overrides
-class _DataParallelExtended(
-        internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
+class _DataParallelExtended(tf_runtime.mirrored_extended()):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack):
@@ -189,12 +189,12 @@ class _DataParallelExtended(
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
-        internals.set_attr(self, "_cross_device_ops", make_cross_device_ops(
-            self._tfpar_communication, self._devices, self._collective_keys,
-            self._tfpar_bytes_per_pack))
+        tf_runtime.set_cross_device_ops(self, make_cross_device_ops(
+            self._tfpar_communication, tf_runtime.replica_devices(self),
+            tf_runtime.collective_keys(self), self._tfpar_bytes_per_pack))
 
     def _experimental_distribute_dataset(self, dataset, options):
-        dataset = check_first_batch(dataset, len(self._devices))
+        dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
         return super()._experimental_distribute_dataset(dataset, options)
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
@@ -207,7 +207,8 @@ class _DataParallelExtended(
         # made next to their variable) lives on the variable's owner only, and under
         # shard="parameters" so does the trainable variable itself.
         strategy = self._container_strategy()
-        owned = sharded.on_owner(strategy, next_creator, kwargs, self._devices, 0)
+        owned = sharded.on_owner(strategy, next_creator, kwargs,
+                                 tf_runtime.replica_devices(self), 0)
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
 
 
@@ -256,14 +257,13 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         self.timeout_seconds = multi_worker.collective_timeout(timeout_seconds)
         self._tfpar_bucket_bytes = check_bytes_per_pack(
             bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
-        options = internals.symbol("tensorflow.python.distribute.collective_util.Options")(
+        options = tf_runtime.collective_options(
             bytes_per_pack=check_bytes_per_pack(
                 None if self._tfpar_shard_stage else bytes_per_pack,
                 multi_worker.MULTI_WORKER_PACK_BYTES),
             timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
             implementation=multi_worker.implementation(self.communication))
-        internals.set_attr(self, "_collective_key_base",
-                           group_keys.next_key_base(across_workers=True))
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
         extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=resolver, communication_options=options)
         super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
@@ -274,7 +274,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
             sharding.collectives_for(
                 self.communication, across_workers=True,
                 pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
-            internals.attr(extended, "_collective_keys"), extended.worker_devices,
+            tf_runtime.collective_keys(extended), extended.worker_devices,
             options.timeout_seconds, key_base=self._collective_key_base))
         self._tfpar_cluster = multi_worker.Peers(resolver)
         self._tfpar_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
@@ -327,7 +327,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         return super().reduce(reduce_op, value, axis)
 
     def __repr__(self):
-        workers = internals.attr(self.extended, "_num_workers")
+        workers = tf_runtime.num_workers(self.extended)
         shard = f", shard={self.shard!r}" if self.shard else ""
         return (f"DataParallelStrategy(workers={workers}, "
                 f"replicas={self.num_replicas_in_sync}, communication={self.communication!r}"

@@ -35,7 +35,6 @@ import tensorflow as tf
 
 from tfpar.contract import StrategyHooks
 from tfpar.errors import PlacementError
-from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import steps
 from tfpar.keras import variable_birth
@@ -62,18 +61,14 @@ class PlacingStrategy(StrategyHooks):
     def _tfpar_before_model_call(self, model, args, kwargs):
         if getattr(model, "_tfpar_placed_by", None) is not None:
             return
-        any_symbolic_tensors = internals.symbol(
-            "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
-        in_symbolic_scope = internals.symbol(
-            "keras.src.backend.common.symbolic_scope.in_symbolic_scope")
         building = _local.__dict__.setdefault("building", set())
         # A functional model built out of this one, our own build, or Keras inferring the
         # output of a layer that calls this model (a Sequential inside a custom layer,
         # given placeholders, not KerasTensors: inside another layer's call): nothing
         # runs, and this model is a part. (Keras' symbolic build of the model itself, also
         # in a symbolic scope, is the model's own call: it is placed.)
-        if (any_symbolic_tensors(args, kwargs) or id(model) in building
-                or (in_symbolic_scope() and steps.inside_a_layer_call())):
+        if (models.any_symbolic_tensors(args, kwargs) or id(model) in building
+                or (models.in_symbolic_scope() and steps.inside_a_layer_call())):
             return
         # In a StatelessScope, variables Keras creates get no storage until it ends
         # (even inside Keras' own symbolic build): placing gives them storage on their
@@ -154,7 +149,7 @@ def claim_model(strategy, model, placed, why_built):
 
 def mark_placed(strategy, model):
     """Records that `strategy` placed `model` and the models inside it."""
-    for sub in [model] + [layer for layer in internals.attr(model, "_flatten_layers")()
+    for sub in [model] + [layer for layer in models.all_layers(model)
                           if models.is_model(layer)]:
         object.__setattr__(sub, "_tfpar_placed_by", strategy)
 
@@ -162,4 +157,4 @@ def mark_placed(strategy, model):
 def is_built(model):
     """True when the model and every layer in it are built (their variables exist, with
     storage or not)."""
-    return model.built and all(layer.built for layer in internals.attr(model, "_flatten_layers")())
+    return model.built and all(layer.built for layer in models.all_layers(model))

@@ -13,13 +13,13 @@ import math
 
 import tensorflow as tf
 
-from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.plan import memory as plan
 
 
 def _copies(strategy, variable):
     # The tf.Variables holding a keras.Variable's value: one per replica when mirrored.
-    value = internals.attr(variable, "_value") if hasattr(variable, "_value") else variable
+    value = models.tf_variable(variable)
     return strategy.experimental_local_results(value)
 
 

@@ -6,6 +6,31 @@ from tfpar.distribute import mesh as mesh_lib
 from tfpar.keras import mesh as keras_mesh
 
 
+def use_keras_distribution():
+    """Makes `keras.distribution` (DeviceMesh, LayoutMap, DataParallel, ModelParallel,
+    set_distribution, distribute_tensor) work on the TensorFlow backend: Keras' side in
+    the seam (`tfpar.keras.mesh`), on DTensor (`tfpar.distribute.mesh`), a `DataParallel`
+    trained by `tfpar.DataParallelStrategy`. Idempotent.
+
+    Example:
+      >>> import keras, tfpar
+      >>> tfpar.use_keras_distribution()
+      >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+      ...                                      keras.distribution.list_devices()[:2])
+      >>> layout_map = keras.distribution.LayoutMap(mesh)
+      >>> layout_map[".*dense.*kernel"] = (None, "model")
+      >>> keras.distribution.set_distribution(
+      ...     keras.distribution.ModelParallel(layout_map=layout_map))
+      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+      >>> [tuple(p.shape) for p in tfpar.distribute.mesh.pieces(model.weights[0])]
+      [(2, 2), (2, 2)]
+      >>> keras.distribution.set_distribution(None)
+    """
+    from tfpar.distribute.data_parallel import DataParallelStrategy
+
+    keras_mesh.install(mesh_lib, DataParallelStrategy)
+
+
 class MeshStrategy:
     """Keras' distribution API (`keras.distribution`) on TensorFlow, as a strategy scope.
 
@@ -41,7 +66,7 @@ class MeshStrategy:
     """
 
     def __init__(self, mesh, layout_map=None, batch_dim_name=None):
-        keras_mesh.use_keras_distribution()
+        use_keras_distribution()
         self.distribution = keras_mesh.model_parallel(mesh, layout_map, batch_dim_name)
         self.runtime = mesh_lib.runtime_of(mesh)
 

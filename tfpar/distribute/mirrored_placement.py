@@ -10,26 +10,20 @@ optimizers, checkpoints and Keras variables refer to it). Like
 variable.
 """
 
-# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
-# pylint: disable=protected-access
-
-import weakref
-
 import tensorflow as tf
 
 from tfpar.distribute.placement import canonical_device
-from tfpar.keras import internals
 from tfpar.keras import models
+from tfpar.keras import tf_variables
 from tfpar.keras import variable_birth
 
 
 def distributed_value(variable):
     """The `tf.distribute` variable inside a Keras variable (or itself), or None."""
-    distributed_variable = internals.symbol(
-        "tensorflow.python.distribute.values.DistributedVariable")
+    distributed_variable = tf_variables.distributed_variable_class()
     if isinstance(variable, distributed_variable):
         return variable
-    value = internals.attr(variable, "_value")
+    value = models.storage(variable)
     return value if isinstance(value, distributed_variable) else None
 
 
@@ -46,7 +40,7 @@ def move_copies(variable, devices):
     distributed = distributed_value(variable)
     if distributed is None:
         return False
-    copies = internals.attr(distributed, "_values")
+    copies = tf_variables.copies(distributed)
     if len(copies) != len(devices):
         raise ValueError(
             f"Variable {distributed.name} has {len(copies)} copies but {len(devices)} devices "
@@ -61,13 +55,11 @@ def move_copies(variable, devices):
                 device, initial_value=old.read_value(), trainable=old.trainable,
                 name=old.name.split(":")[0], dtype=old.dtype, shape=old.shape,
                 aggregation=old.aggregation, synchronization=old.synchronization)
-            # Keras' TensorFlow optimizer keys its state by the primary's _unique_id.
-            internals.set_attr(new, "_unique_id", internals.attr(old, "_unique_id"))
-            internals.set_attr(new.handle, "_distributed_container", weakref.ref(distributed),
-                               like=old.handle)
+            # Keras' TensorFlow optimizer keys its state by the primary's unique id.
+            tf_variables.stand_in(new, old, distributed)
             moved.append(new)
             changed = True
-    internals.set_attr(distributed, "_values", tuple(moved))
+    tf_variables.set_copies(distributed, moved)
     return changed
 
 
@@ -76,11 +68,10 @@ def plain_variable(device, **kwargs):
     `tf.init_scope()`: the class itself, not tf.Variable, which would ask the strategy in
     scope for a distributed variable (also from a replica thread)."""
     with tf.init_scope(), tf.device(device):
-        return internals.symbol(
-            "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(**kwargs)
+        return tf_variables.resource_variable(**kwargs)
 
 
 def devices_of(variable):
     """The devices of a distributed variable's copies, canonical."""
     distributed = distributed_value(variable)
-    return tuple(canonical_device(v.device) for v in internals.attr(distributed, "_values"))
+    return tuple(canonical_device(v.device) for v in tf_variables.copies(distributed))

@@ -77,6 +77,7 @@ from tfpar.errors import PlacementError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.keras import models
+from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import placement as plan
@@ -254,7 +255,7 @@ class ModelParallelStrategy(PlacingStrategy, tf.distribute.OneDeviceStrategy):
                         if id(variable) in seen:
                             continue  # Shared by an earlier layer: it stays there.
                         seen.add(id(variable))
-                        old = internals.attr(variable, "_value")
+                        old = models.storage(variable)
                         if placement_lib.move_variable(
                                 variable, device_of[unit.name]):
                             moved[id(old)] = (old, device_of[unit.name])
@@ -378,8 +379,7 @@ class PlacementReport:
 
 
 @internals.overrides
-class _ModelParallelExtended(
-        internals.symbol("tensorflow.python.distribute.one_device_strategy.OneDeviceExtended")):
+class _ModelParallelExtended(tf_runtime.one_device_extended()):
     """One replica on the first device; variables on the device of their layer."""
 
     def __init__(self, container_strategy, devices):
@@ -393,7 +393,7 @@ class _ModelParallelExtended(
         if colocate_with is None:
             kwargs.pop("colocate_with", None)
             home = variable_birth.current_variable_home()  # Where tfpar says it is born.
-            with tf.device(home[0] if home else self._device):
+            with tf.device(home[0] if home else tf_runtime.one_device(self)):
                 return next_creator(**kwargs)
         variable = super()._create_variable(next_creator, **kwargs)
         if isinstance(colocate_with, tf.Variable):
@@ -406,9 +406,7 @@ class _ModelParallelExtended(
 
     def _update(self, var, fn, args, kwargs, group):
         # Optimizer updates run where the variable lives, not on the first device.
-        update_context = internals.symbol(
-            "tensorflow.python.distribute.distribute_lib.UpdateContext")
-        with tf.device(var.device), update_context(self._device):
+        with tf.device(var.device), tf_runtime.update_context(tf_runtime.one_device(self)):
             result = fn(var, *args, **kwargs)
             return result if group else tf.nest.map_structure(self._local_results, result)
 
@@ -417,7 +415,7 @@ class _ModelParallelExtended(
         if optimizer is None or not moved:
             return
         for variable in getattr(optimizer, "variables", ()):
-            value = internals.attr(variable, "_value")
+            value = models.storage(variable)
             slot, colocated = self._colocated.get(id(value), (lambda: None, lambda: None))
             if slot() is value and colocated() is not None and id(colocated()) in moved:
                 placement_lib.move_variable(variable, moved[id(colocated())][1])

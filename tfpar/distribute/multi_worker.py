@@ -10,14 +10,13 @@ from tfpar.distribute.cluster import cluster_config
 from tfpar.distribute import sharded
 from tfpar.distribute.input_checks import check_first_batch
 from tfpar.keras import internals
+from tfpar.keras import tf_runtime
 from tfpar.plan.communication import NCCL, RING
 
 
 def implementation(communication):
     """TensorFlow's collective implementation for "nccl" or "ring"."""
-    implementations = internals.symbol(
-        "tensorflow.python.distribute.collective_util.CommunicationImplementation")
-    return {NCCL: implementations.NCCL, RING: implementations.RING}[communication]
+    return tf_runtime.collective_implementation({NCCL: "nccl", RING: "ring"}[communication])
 
 
 # Packing gradients into ~4 MiB collectives cut the 2-worker step time by ~15%
@@ -118,8 +117,7 @@ def rank(value):
 
 
 @internals.overrides
-class MultiWorkerExtended(internals.symbol(
-        "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended")):
+class MultiWorkerExtended(tf_runtime.collective_all_reduce_extended()):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Keras reduces a whole (x, y) data batch in one call; the stock code only
@@ -133,7 +131,7 @@ class MultiWorkerExtended(internals.symbol(
 
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(
-            dataset, internals.attr(self, "_num_replicas_in_sync"), in_pipeline=False)
+            dataset, tf_runtime.num_replicas_in_sync(self), in_pipeline=False)
         return super()._experimental_distribute_dataset(dataset, options)
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
@@ -145,6 +143,6 @@ class MultiWorkerExtended(internals.symbol(
         # variable) lives on its owner replica's worker only (tfpar.distribute.sharded);
         # the other workers hold an empty stand-in.
         strategy = self._container_strategy()
-        first = internals.attr(self, "_get_replica_id_in_sync_group")(0)
+        first = tf_runtime.first_local_replica(self)
         owned = sharded.on_owner(strategy, next_creator, kwargs, self.worker_devices, first)
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)

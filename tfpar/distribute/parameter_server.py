@@ -28,13 +28,13 @@ import tensorflow as tf
 
 from tfpar.contract import StrategyHooks
 from tfpar.keras import hooks as keras_hooks
-from tfpar.keras import internals
+from tfpar.keras import tf_coordinator
 from tfpar.cluster.probe import answers, listening, require_reachable
 from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.data import dataset_from_function
 from tfpar.data_service import DATA_SERVICE_ENV
 from tfpar.distribute.cluster import cluster_config
-from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC
+from tfpar.distribute.ps_sync import ASYNC, MODES, SYNC, SyncGradients
 from tfpar.errors import ClusterError
 
 
@@ -92,6 +92,7 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
                           "Start `python -m tfpar.server` for each worker and ps task with its "
                           "TF_CONFIG (tfpar launch --workers N --ps K does this)")
         self.mode = mode
+        self._tfpar_synchronous = mode == SYNC
         self.cluster_config = config
         super().__init__(cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                          variable_partitioner=variable_partitioner)
@@ -106,6 +107,10 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
     @property
     def num_workers(self):
         return len(self.cluster_config.cluster["worker"])  # The chief does not run steps.
+
+    # Asked by the Keras seam's synchronous fit loop (`tfpar.keras.parameter_server`).
+    def _tfpar_sync_gradients(self, variables, num_parts):
+        return SyncGradients(self, variables, num_parts)
 
     def __repr__(self):
         return (f"tfpar.ParameterServerStrategy(mode={self.mode!r}, workers={self.num_workers}, "
@@ -124,9 +129,7 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
         pipeline runs on the workers; a restarted worker builds its iterator again.
         `repeat=True` repeats each worker's part without end.
         """
-        workers = internals.attr(self.coordinator, "_cluster").workers
-        internals.check([w.worker_index for w in workers] == list(range(len(workers))),
-                        "the coordinator's workers, in task order")
+        workers = tf_coordinator.workers(self.coordinator)
         make = _per_worker_datasets(dataset, len(workers), repeat, self.data_service)
         iterators = []
         with self.ps_failures_explained():
@@ -135,12 +138,10 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
                 make_one = make_one.get_concrete_function()
                 iterator = worker.create_resource(lambda make_one=make_one: iter(make_one()))
                 # The step functions are traced with the iterator as an argument.
-                internals.set_attr(iterator, "_type_spec", tf.data.IteratorSpec(
-                    make_one.structured_outputs.element_spec))
+                tf_coordinator.set_element_spec(
+                    iterator, make_one.structured_outputs.element_spec)
                 iterators.append(iterator)
-        return internals.symbol(
-            "tensorflow.python.distribute.coordinator.values.PerWorkerDistributedIterator")(
-                tuple(iterators))
+        return tf_coordinator.per_worker_iterator(iterators)
 
     def schedule_steps(self, step_fn, iterator, num_steps):
         """Schedules `num_steps` calls of `step_fn(next(iterator))` as one closure (fewer if
@@ -158,8 +159,7 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
         steps = self._step_function(step_fn, "iterator")
         # The coordinator pins only resource closures to a worker (its own queue, which
         # that worker serves first); one is rerun on recovery while its value is kept.
-        target = internals.attr(self.coordinator, "_cluster").workers[worker]
-        internals.check(target.worker_index == worker, "the coordinator's workers, in task order")
+        target = tf_coordinator.worker(self.coordinator, worker)
         with self.ps_failures_explained():
             return target.create_resource(steps, args=(iterator, tf.constant(num_steps)))
 
@@ -272,16 +272,13 @@ def _per_worker_datasets(dataset, num_workers, repeat, data_service=None):
             job_name=job_name)
     if isinstance(dataset, tf.data.Dataset):
         # Made on the chief, it reaches the workers as its serialized graph.
-        graph = internals.symbol(
-            "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph")(dataset)
+        graph = tf_coordinator.serialize_dataset(dataset)
         spec = dataset.element_spec
         size = int(dataset.cardinality())
         split = size < 0 or size >= num_workers  # Infinite or unknown sizes split too.
 
         def part(worker):
-            whole = internals.symbol(
-                "tensorflow.python.distribute.coordinator.values.deserialize_dataset_from_graph")(
-                    graph, spec)
+            whole = tf_coordinator.deserialize_dataset(graph, spec)
             return whole.shard(num_workers, worker) if split else whole
     elif callable(dataset):
         def part(worker):
@@ -323,8 +320,7 @@ class _PSFailure:
         text = str(error)
         # The coordinator's own reading (an unavailable or restarted ps); the chief's own
         # reads of a lost ps fail with other errors, which name the ps job or its address.
-        said_lost = internals.symbol(
-            "tensorflow.python.distribute.coordinator.cluster_coordinator._is_ps_failure")(error)
+        said_lost = tf_coordinator.is_ps_failure(error)
         if not (said_lost or "/job:ps" in text or any(a in text for a in addresses)):
             return []
         # Asked directly: a ps that is gone refuses, a stopped one stays silent.

@@ -28,7 +28,9 @@ import contextlib
 
 import tensorflow as tf
 
-from tfpar.keras import internals
+from tfpar.keras import models
+from tfpar.keras import tf_runtime
+from tfpar.keras import tf_variables
 from tfpar.keras import variable_birth
 
 
@@ -42,9 +44,7 @@ def variable_device(device):
 
 def canonical_device(device):
     """'/cpu:1' -> '/job:localhost/replica:0/task:0/device:CPU:1'; None stays None."""
-    canonicalize = internals.symbol(
-        "tensorflow.python.distribute.device_util.canonicalize")
-    return None if device is None else canonicalize(device)
+    return None if device is None else tf_runtime.canonical_device(device)
 
 
 def move_variable(variable, device):
@@ -64,7 +64,7 @@ def move_variable(variable, device):
     if variable_birth.has_no_storage(variable):
         variable_birth.materialize(variable, (canonical_device(device),))
         return False
-    old = internals.attr(variable, "_value")
+    old = models.storage(variable)
     if (isinstance(old, tf.distribute.DistributedValues)
             or canonical_device(old.device) == canonical_device(device)):
         return False
@@ -73,18 +73,18 @@ def move_variable(variable, device):
             old.read_value(), trainable=old.trainable, name=old.name.split(":")[0],
             dtype=old.dtype, aggregation=old.aggregation,
             synchronization=old.synchronization, shape=old.shape)
-    internals.set_attr(new, "_unique_id", internals.attr(old, "_unique_id"))
-    internals.set_attr(variable, "_value", new)
+    tf_variables.stand_in(new, old)
+    models.set_storage(variable, new)
     return True
 
 
 def _in_keras_symbolic_scope():
     # Keras traces layers on symbolic inputs to infer shapes; nothing runs there.
-    return internals.symbol("keras.src.backend.common.symbolic_scope.in_symbolic_scope")()
+    return models.in_symbolic_scope()
 
 
 def _tape_recording():
-    return internals.symbol("tensorflow.python.eager.record.could_possibly_record")()
+    return tf_runtime.tape_recording()
 
 
 def _differentiable(x):
@@ -165,8 +165,6 @@ def placed_call(fn, device, *args, **kwargs):
     outputs = structure["outputs"]
     flat_out = tf.nest.flatten(outputs)
     for i, placed in zip(structure["tensors_at"], results):
-        mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(flat_out[i])
-        if mask is not None:  # Keras attaches masks to tensors; keep them.
-            internals.symbol("keras.src.backend.common.masking.set_keras_mask")(placed, mask)
+        models.keep_mask(flat_out[i], placed)  # Keras attaches masks to tensors; keep them.
         flat_out[i] = placed
     return tf.nest.pack_sequence_as(outputs, flat_out)

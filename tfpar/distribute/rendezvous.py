@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfpar.cluster.probe import listening
 from tfpar.errors import ClusterError
-from tfpar.keras import internals
+from tfpar.keras import tf_runtime
 
 _PREFIX = "tfpar"
 # After a timeout, how long the other waiting workers get to report theirs.
@@ -30,7 +30,7 @@ TIMEOUT_REPORT_SECONDS = 10.0
 
 
 def _store():
-    return internals.symbol("tensorflow.python.eager.context.context")()
+    return tf_runtime.coordination_service()
 
 
 def _get(key, timeout_seconds):

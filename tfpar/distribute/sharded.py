@@ -52,8 +52,11 @@ from tfpar.distribute import owner_values
 from tfpar.distribute.memory import num_bytes
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import sharded as keras_sharded
 from tfpar.keras import steps
+from tfpar.keras import tf_runtime
+from tfpar.keras import tf_variables
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import replica_id, replica_in_sync
 from tfpar.plan import sharding
@@ -222,7 +225,8 @@ def _read_from_owner(variable, strategy, shape):
     only overrides how the variable turns into a tensor.
     """
     base = type(variable)
-    internals.attr(base, "_dense_var_to_tensor")  # Fails closed before the class changes.
+    # Fails closed before the class changes.
+    tf_variables.check_converts_through_dense_var_to_tensor(base)
     owner = strategy._tfpar_shard_owners.owner_of(variable)
     stand_in = id(variable) in strategy._tfpar_shard_owners.remote
     read = functools.partial(read_parameter, strategy, variable, owner, shape)
@@ -316,7 +320,7 @@ def full_state(strategy, optimizer):
     A collective: every worker iterates it, in the same order."""
     owners = strategy._tfpar_shard_owners
     for keras_variable in optimizer.variables:
-        variable = internals.attr(keras_variable, "_value")
+        variable = models.storage(keras_variable)
         if id(variable) not in owners.slots:
             yield variable.numpy()
             continue
@@ -542,7 +546,7 @@ def _pace_gradients(grads, transfers, window_bytes):
         for earlier in range(position, -1, -1):
             in_flight += transfers[earlier][2]
             if in_flight > window_bytes and earlier < position:
-                internals.attr(op, "_add_control_input")(transfers[earlier][1])
+                tf_runtime.add_control_input(op, transfers[earlier][1])
                 break
 
 

@@ -10,8 +10,12 @@
 - `stages.py`: a functional or Sequential model cut into pipeline stages, each run by
   Keras' own graph runner;
 - `parameter_server.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
+- `tf_runtime.py`, `tf_variables.py`, `tf_coordinator.py`: TensorFlow's distribution
+  runtime (extended classes and their state, collectives, devices, the eager context),
+  its variables' copies, the parameter-server coordinator, as the strategies use them;
 - `internals.py`: every Keras and TensorFlow private that tfpar touches, read through
-  accessors that fail closed with the pinned versions named.
+  accessors that fail closed with the pinned versions named. Outside this package tfpar
+  names no private: the runtime calls the functions above (`tests/test_layout.py`).
 
 Nothing here runs at import: strategies install the hooks they need.
 """

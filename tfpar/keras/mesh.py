@@ -2,8 +2,9 @@
 
 On TensorFlow, Keras 3.15 leaves the API unfinished: its backend module says "DO NOT
 USE", `distribute_value` is a TODO, and a `DataParallel` trains silently on one device.
-`use_keras_distribution()` completes it, on TensorFlow's own
-SPMD runtime, DTensor (`tfpar.distribute.mesh`):
+`tfpar.use_keras_distribution()` completes it, on TensorFlow's own
+SPMD runtime, DTensor (`tfpar.distribute.mesh`), which it hands to `install` here (the seam
+imports no runtime):
 
 - the backend functions Keras' frontend calls (devices, processes, meshes, layouts,
   `keras.distribution.distribute_tensor`);
@@ -25,33 +26,29 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpar.contract import hooks_of
-from tfpar.distribute import mesh as mesh_lib
 from tfpar.keras import hooks
 from tfpar.keras import internals
 from tfpar.keras import replicas
 
 _BACKEND = "keras.src.backend.tensorflow.distribution_lib"
 
+# The runtime `install` is given (the seam imports none): the DTensor mesh runtime (the
+# module `tfpar.distribute.mesh`: `runtime_of`, `any_mesh`, `MeshVariable`, `mesh_devices`,
+# `kernel_mode`, `embedding_mode`) and the strategy a `DataParallel` trains under (made
+# from its devices).
+_mesh = None
+_data_parallel_strategy = None
 
-def use_keras_distribution():
+
+def install(mesh_runtime, data_parallel_strategy):
     """Makes `keras.distribution` (DeviceMesh, LayoutMap, DataParallel, ModelParallel,
-    set_distribution, distribute_tensor) work on the TensorFlow backend. Idempotent.
-
-    Example:
-      >>> import keras, tfpar
-      >>> tfpar.use_keras_distribution()
-      >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
-      ...                                      keras.distribution.list_devices()[:2])
-      >>> layout_map = keras.distribution.LayoutMap(mesh)
-      >>> layout_map[".*dense.*kernel"] = (None, "model")
-      >>> keras.distribution.set_distribution(
-      ...     keras.distribution.ModelParallel(layout_map=layout_map))
-      >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
-      >>> [tuple(p.shape) for p in tfpar.distribute.mesh.pieces(model.weights[0])]
-      [(2, 2), (2, 2)]
-      >>> keras.distribution.set_distribution(None)
-    """
+    set_distribution, distribute_tensor) work on the TensorFlow backend, on `mesh_runtime`
+    (`tfpar.distribute.mesh`), a `DataParallel` under `data_parallel_strategy(devices)`.
+    Idempotent. Programs call `tfpar.use_keras_distribution()`, which gives both."""
     import keras
+
+    global _mesh, _data_parallel_strategy
+    _mesh, _data_parallel_strategy = mesh_runtime, data_parallel_strategy
 
     if keras.backend.backend() != "tensorflow":
         raise ValueError("tfpar.use_keras_distribution() is for the TensorFlow backend; "
@@ -91,7 +88,15 @@ def use_keras_distribution():
 def model_parallel(mesh, layout_map=None, batch_dim_name=None):
     """A `keras.distribution.ModelParallel` on `mesh` (a `keras.distribution.DeviceMesh`)
     with `layout_map` (None: every variable replicated), the batch split along
-    `batch_dim_name` (default: the mesh's first axis)."""
+    `batch_dim_name` (default: the mesh's first axis).
+
+    Example:
+      >>> import keras
+      >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
+      ...                                      keras.distribution.list_devices()[:2])
+      >>> model_parallel(mesh).batch_dim_name
+      'batch'
+    """
     import keras
 
     if not isinstance(mesh, keras.distribution.DeviceMesh):
@@ -120,9 +125,7 @@ def _strategy_for(distribution):
         return None
     key = id(distribution)
     if key not in _strategies:
-        from tfpar.distribute.data_parallel import DataParallelStrategy
-
-        strategy = DataParallelStrategy(mesh_lib.mesh_devices(distribution.device_mesh))
+        strategy = _data_parallel_strategy(_mesh.mesh_devices(distribution.device_mesh))
         _strategies[key] = (distribution, strategy)
     return _strategies[key][1]
 
@@ -165,10 +168,10 @@ def _backend_functions():
                              "with TF_CONFIG.")
 
     def _to_backend_mesh(device_mesh):
-        return mesh_lib.runtime_of(device_mesh).mesh
+        return _mesh.runtime_of(device_mesh).mesh
 
     def _to_backend_layout(tensor_layout):
-        return mesh_lib.runtime_of(_mesh_of(tensor_layout)).layout(tensor_layout.axes)
+        return _mesh.runtime_of(_mesh_of(tensor_layout)).layout(tensor_layout.axes)
 
     def distribute_tensor(tensor, layout):
         # Inside a step, the value relaid as asked (a "<layer>/output" key of a LayoutMap,
@@ -181,13 +184,13 @@ def _backend_functions():
         if not isinstance(layout, keras.distribution.TensorLayout):
             raise ValueError(f"Not a layout: {layout!r} (expected a "
                              f"keras.distribution.TensorLayout).")
-        runtime = mesh_lib.runtime_of(_mesh_of(layout))
+        runtime = _mesh.runtime_of(_mesh_of(layout))
         if tf.executing_eagerly():
             return runtime.place(tensor, layout.axes)
         return runtime.relayout(tensor, layout.axes)
 
     def distribute_variable(value, layout):
-        runtime = mesh_lib.runtime_of(layout.device_mesh)
+        runtime = _mesh.runtime_of(layout.device_mesh)
         return runtime.variable(value, layout.axes, "distributed")
 
     return {"num_processes": num_processes, "process_id": process_id,
@@ -241,7 +244,7 @@ def _laid_out(keras_initialize):
         if layout is None:
             return keras_initialize(self, value)
         internals.set_attr(self, "_layout", layout)
-        internals.set_attr(self, "_value", mesh_lib.runtime_of(layout.device_mesh).variable(
+        internals.set_attr(self, "_value", _mesh.runtime_of(layout.device_mesh).variable(
             value, layout.axes, self.name, trainable=self.trainable), set_by=keras_initialize)
         self._value._tfpar_distribution = keras.distribution.distribution()
         return None
@@ -252,7 +255,7 @@ def _laid_out(keras_initialize):
 def _mesh_variable(model):
     """A variable of `model` laid out on a mesh, or None."""
     for variable in model.weights:
-        if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
+        if isinstance(internals.attr(variable, "_value"), _mesh.MeshVariable):
             return internals.attr(variable, "_value")
     return None
 
@@ -266,7 +269,7 @@ def _refuse_partly_on_mesh(model):
         for variable in layer.variables:
             owners[id(variable)] = layer
     for variable in model.variables:
-        if isinstance(internals.attr(variable, "_value"), mesh_lib.MeshVariable):
+        if isinstance(internals.attr(variable, "_value"), _mesh.MeshVariable):
             layer = owners.get(id(variable), model)
             raise ValueError(
                 f"Layer {layer.name!r} holds {variable.path!r} on a device mesh (it was "
@@ -313,7 +316,7 @@ def _refuse_what_dtensor_cannot_run(model):
             continue
         _, replicated_works, op = rule
         laid = [(v.path, _split_axes(v.value)) for v in layer.weights
-                if isinstance(internals.attr(v, "_value"), mesh_lib.MeshVariable)]
+                if isinstance(internals.attr(v, "_value"), _mesh.MeshVariable)]
         split = [(path, axes) for path, axes in laid if any(axes)]
         if replicated_works and not split:
             continue
@@ -417,7 +420,7 @@ def _mesh_function(keras_make, kind):
     def make(self, force=False):
         variable = _mesh_variable(self)
         if variable is None:
-            if mesh_lib.any_mesh():
+            if _mesh.any_mesh():
                 _refuse_partly_on_mesh(self)
             return keras_make(self, force)
         attribute = f"{kind}_function"
@@ -469,7 +472,7 @@ def _eager_on_the_mesh(keras_call):
     (as `predict` does)."""
 
     def __call__(self, *args, **kwargs):
-        if not tf.executing_eagerly() or not mesh_lib.any_mesh() or not any(
+        if not tf.executing_eagerly() or not _mesh.any_mesh() or not any(
                 _plain_batch(v) for v in tf.nest.flatten((args, kwargs))):
             return keras_call(self, *args, **kwargs)
         variable = _mesh_variable(self)
@@ -496,13 +499,13 @@ def layer_modes(model):
     for layer in internals.attr(model, "_flatten_layers")(include_self=False):
         if isinstance(layer, keras.layers.Embedding):
             value = getattr(getattr(layer, "embeddings", None), "value", None)
-            if isinstance(value, mesh_lib.MeshVariable):
-                modes[layer.path] = mesh_lib.embedding_mode(_split_axes(value))
+            if isinstance(value, _mesh.MeshVariable):
+                modes[layer.path] = _mesh.embedding_mode(_split_axes(value))
             continue
         kernel = getattr(layer, "kernel", None) if hasattr(type(layer), "kernel") else None
         value = getattr(kernel, "value", None)
-        if not isinstance(value, mesh_lib.MeshVariable):
+        if not isinstance(value, _mesh.MeshVariable):
             continue
         equation = getattr(layer, "equation", None) or "...i,io->...o"
-        modes[layer.path] = mesh_lib.kernel_mode(equation, _split_axes(value))
+        modes[layer.path] = _mesh.kernel_mode(equation, _split_axes(value))
     return modes

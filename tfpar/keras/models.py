@@ -92,6 +92,59 @@ def held_inside(model):
                      if layer is not model]
 
 
+def all_layers(layer):
+    """`layer` and every layer inside it, outermost first (Keras' `_flatten_layers`)."""
+    return list(internals.attr(layer, "_flatten_layers")())
+
+
+def storage(variable):
+    """The `tf.Variable` holding a Keras variable's value (None while it has none)."""
+    return internals.attr(variable, "_value")
+
+
+def tf_variable(variable):
+    """The `tf.Variable` of a Keras variable; a TensorFlow variable itself."""
+    return storage(variable) if hasattr(variable, "_value") else variable
+
+
+def set_storage(variable, value):
+    """Makes `value` (a `tf.Variable`) the storage of a Keras variable."""
+    internals.set_attr(variable, "_value", value)
+
+
+def call_takes_training(layer):
+    """Whether a layer's `call` takes a `training` argument."""
+    return internals.attr(layer, "_call_has_training_arg")
+
+
+def call_takes_mask(layer):
+    """Whether a layer's `call` takes a `mask` argument."""
+    return internals.attr(layer, "_call_has_mask_arg")
+
+
+def keep_mask(source, target):
+    """Gives tensor `target` the Keras mask riding on tensor `source`, if it has one."""
+    mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(source)
+    if mask is not None:
+        internals.symbol("keras.src.backend.common.masking.set_keras_mask")(target, mask)
+
+
+def in_symbolic_scope():
+    """Whether Keras is inferring shapes (its symbolic scope: nothing runs)."""
+    return internals.symbol("keras.src.backend.common.symbolic_scope.in_symbolic_scope")()
+
+
+def in_stateless_scope():
+    """Whether a Keras `StatelessScope` is active (a symbolic build: nothing runs)."""
+    return internals.symbol("keras.src.backend.common.stateless_scope.in_stateless_scope")()
+
+
+def any_symbolic_tensors(args=None, kwargs=None):
+    """Whether a call's arguments hold Keras symbolic tensors (`KerasTensor`s)."""
+    return internals.symbol("keras.src.backend.common.keras_tensor.any_symbolic_tensors")(
+        args, kwargs)
+
+
 def build_symbolically(model, args, kwargs):
     """Creates a model's variables from the shapes of a call's inputs, running nothing."""
     import keras

@@ -12,7 +12,8 @@ below instead, with Keras' own callbacks, data adapters, metrics and steps.
   closures per worker in flight (bounded staleness); epoch logs are exact.
 - Training (sync): the chief reads each batch and splits it over the workers; each
   part's loss is its share of the batch's loss (`tfpar.keras.replicas.batch_part`), its
-  gradients are stored on the ps and summed there before one update (`SyncGradients`):
+  gradients are stored on the ps and summed there before one update (the strategy's
+  `_tfpar_sync_gradients`, `tfpar.distribute.ps_sync.SyncGradients`):
   one device on the combined batch. BatchNorm moves once per step (`ps_state`).
 - evaluate / predict: the chief reads the batches and sends each to a free worker,
   so every example is seen exactly once and predictions come back in order.
@@ -36,8 +37,8 @@ import numpy as np
 import keras
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.data import dataset_from_function
-from tfpar.distribute.ps_sync import SYNC, SyncGradients
 from tfpar.keras import internals
 from tfpar.keras import losses
 from tfpar.keras import ps_state
@@ -294,7 +295,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callba
     steps = data.steps(steps_per_epoch, "steps_per_epoch")
     _build(model, data.dataset)
     strategy = model.distribute_strategy
-    epoch_runner = (_SyncEpochs if strategy.mode == SYNC else _AsyncEpochs)(model, data)
+    epoch_runner = (_SyncEpochs if hooks_of(strategy)._tfpar_synchronous
+                    else _AsyncEpochs)(model, data)
     callbacks = _callback_list(model, callbacks, verbose, epochs=epochs, steps=steps)
 
     model.stop_training = False
@@ -412,8 +414,8 @@ class _SyncEpochs:
         self.strategy = model.distribute_strategy
         self.parts = self.strategy.num_workers
         self.iterator = iter(data.dataset.repeat())
-        self.gradients = _cached(model, ("sync", self.parts), lambda: SyncGradients(
-            self.strategy, model.trainable_weights, self.parts))
+        self.gradients = _cached(model, ("sync", self.parts), lambda: hooks_of(
+            self.strategy)._tfpar_sync_gradients(model.trainable_weights, self.parts))
         self._found = _cached(model, ("sync traced", self.parts), dict)
         self.batch_norm = _cached(model, ("sync batch norm", self.parts), lambda: (
             ps_state.BatchNormParts(self.strategy, model, self.parts)))

@@ -60,6 +60,22 @@ def inside_a_layer_call():
     return get("current_call_ctx") is not None
 
 
+def compiled_loss(model):
+    """The loss `compile` gave the model (Keras' `CompileLoss`), or None."""
+    return internals.attr(model, "_compile_loss")
+
+
+def compute_loss(model, **kwargs):
+    """The model's `compute_loss` called as Keras' train step calls it (x, y, y_pred,
+    sample_weight, training), whether or not the model overrides it."""
+    return internals.attr(model, "_compute_loss")(**kwargs)
+
+
+def aggregate_additional_loss(model, loss):
+    """A loss added in `call` (or a regularizer's) reduced as Keras' train step does."""
+    return internals.attr(model, "_aggregate_additional_loss")(loss)
+
+
 def call_model(model, x, training):
     """`model(x)`, passing `training` when the model's call takes it."""
     if internals.attr(model, "_call_has_training_arg"):

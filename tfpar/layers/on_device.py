@@ -8,7 +8,7 @@ import keras
 from tfpar import devices as devices_lib
 from tfpar.distribute import placement
 from tfpar.errors import DeviceError
-from tfpar.keras import internals
+from tfpar.keras import models
 
 
 @keras.saving.register_keras_serializable(package="tfpar")
@@ -66,9 +66,9 @@ class OnDevice(keras.layers.Wrapper):
 
     def call(self, inputs, training=None, mask=None):
         kwargs = {}
-        if internals.attr(self.layer, "_call_has_training_arg"):
+        if models.call_takes_training(self.layer):
             kwargs["training"] = training
-        if mask is not None and internals.attr(self.layer, "_call_has_mask_arg"):
+        if mask is not None and models.call_takes_mask(self.layer):
             kwargs["mask"] = mask
         return placement.placed_call(self.layer, self._device, inputs, **kwargs)
 

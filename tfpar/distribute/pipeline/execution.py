@@ -47,7 +47,7 @@ updates them once.
                                    1F0 ==> 1F1 ==> 1B0 ==> 1B1
 """
 
-# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# tfpar's own private attributes (_tfpar_*) on Keras objects.
 # pylint: disable=protected-access
 
 import contextlib
@@ -55,9 +55,10 @@ import contextlib
 import tensorflow as tf
 
 from tfpar.distribute.placement import placed_call
-from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import replicas
+from tfpar.keras import steps
+from tfpar.keras import tf_runtime
 from tfpar.keras.losses import (
     SUM, WEIGHT, has_custom_compute_loss, loss_kind, outputs_masked)
 from tfpar.plan.schedule import BACKWARD, FORWARD, INPUT_GRAD, execution_order
@@ -97,16 +98,11 @@ def _anchor(structure):
 
     Keras masks riding on the tensors are kept.
     """
-    get_keras_mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")
-    set_keras_mask = internals.symbol("keras.src.backend.common.masking.set_keras_mask")
-
     def copy(x):
         if not isinstance(x, tf.Tensor):
             return x
         y = tf.identity(x)
-        mask = get_keras_mask(x)
-        if mask is not None:
-            set_keras_mask(y, mask)
+        models.keep_mask(x, y)
         return y
 
     return tf.nest.map_structure(copy, structure)
@@ -341,8 +337,8 @@ class TrainStep:
                     self.call_losses[s][m] = snapshot
                 return y, [y] + [t for _, losses in snapshot for t in losses]
         else:
-            aggregate = internals.attr(self.model, "_aggregate_additional_loss")
-            aux = [tf.cast(aggregate(l), tf.float32) * replicas.call_loss_share(l, self.shares[m])
+            aux = [tf.cast(steps.aggregate_additional_loss(self.model, l), tf.float32)
+                   * replicas.call_loss_share(l, self.shares[m])
                    for l in self.program.call_losses(s)]
         if not last:
             if not rerun:
@@ -375,12 +371,11 @@ class TrainStep:
                 self._tape_of_last_stage.watch(self._earlier_aux(m))
             factor = self.shares[m]
             with replicas.weighed_as_part(factor):  # Sums over the batch count once.
-                loss = internals.attr(model, "_compute_loss")(
-                    x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
+                loss = steps.compute_loss(
+                    model, x=self.x_parts[m], y=self.y_parts[m], y_pred=y_pred,
                     sample_weight=self.weight_parts[m], training=True)
-        elif internals.attr(model, "_compile_loss") is not None:
-            loss = internals.attr(model, "_compile_loss")(
-                self.y_parts[m], y_pred, self.weight_parts[m])
+        elif steps.compiled_loss(model) is not None:
+            loss = steps.compiled_loss(model)(self.y_parts[m], y_pred, self.weight_parts[m])
             if self.kind is None:
                 self._weigh_losses()
             self._refuse_masked_means(y_pred)
@@ -471,7 +466,7 @@ class TrainStep:
                 weights, deferred = self.for_weights[s][m]
                 start = self._marker.op
                 for op in deferred:
-                    internals.attr(op, "_add_control_input")(start)
+                    tf_runtime.add_control_input(op, start)
                 done += self._add(self._variables(s), weights)
             self.for_weights[s][m] = None
             if action == self.last_action[s]:
@@ -548,8 +543,7 @@ class TrainStep:
             losses = self.program.regularization_losses(s)
             if not losses:
                 return []
-            aggregate = internals.attr(self.model, "_aggregate_additional_loss")
-            total = tf.add_n([tf.cast(aggregate(l), tf.float32)
+            total = tf.add_n([tf.cast(steps.aggregate_additional_loss(self.model, l), tf.float32)
                               for l in losses])
         variables = self._variables(s)
         grads = tape.gradient(self._scaled(total), variables)
@@ -570,7 +564,7 @@ def forward(program, devices, num_micro_batches, inputs, training):
     sizes = None if first is None or num_micro_batches == 1 else micro_batch_sizes(
         tf.shape(first)[0], num_micro_batches, nonempty=bool(training))
     parts = split_batch(inputs, num_micro_batches, sizes)
-    taped = internals.symbol("tensorflow.python.eager.record.could_possibly_record")()
+    taped = tf_runtime.tape_recording()
     after = [[] for _ in program.stages]
     outputs = []
     with tf.name_scope("pipeline_forward"):
@@ -604,14 +598,12 @@ def _merge_micro_batch_losses(program, shares):
     regularizers before Keras 3.14) are added. Left as they were, M terms would count M times in
     `evaluate` and in a user's loop over `model.losses`.
     """
-    in_stateless_scope = internals.symbol(
-        "keras.src.backend.common.stateless_scope.in_stateless_scope")
-    if in_stateless_scope():
+    if models.in_stateless_scope():
         return  # Keras' symbolic build: nothing ran.
     m, seen = len(shares), set()
     for stage in program.stages:
         for layer in stage.layers:
-            for sub in internals.attr(layer, "_flatten_layers")():
+            for sub in models.all_layers(layer):
                 if id(sub) in seen:
                     continue
                 seen.add(id(sub))

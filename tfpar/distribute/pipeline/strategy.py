@@ -40,7 +40,7 @@ micro-batch (as GPipe does); each micro-batch updates the moving statistics (wit
 replicas, by the mean over replicas).
 """
 
-# Glue over Keras' and TensorFlow's internals (and tfpar's own private attributes).
+# tfpar's own private attributes (_tfpar_*) on Keras objects.
 # pylint: disable=protected-access
 
 import contextlib
@@ -67,8 +67,11 @@ from tfpar.distribute.placement import canonical_device
 from tfpar.errors import DeviceError, PlacementError, ScheduleError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import models
 from tfpar.keras import stages as pipeline_stages
 from tfpar.keras import steps
+from tfpar.keras import tf_runtime
+from tfpar.keras import tf_variables
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
 from tfpar.plan import memory as plan_memory
@@ -229,7 +232,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
         # Read by MirroredExtended.
-        internals.set_attr(self, "_collective_key_base", group_keys.next_key_base())
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
@@ -523,23 +526,13 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
 
 def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
     """The placed model's `call`: micro-batches through the stages (forward)."""
-    any_symbolic_tensors = internals.symbol(
-        "keras.src.backend.common.keras_tensor.any_symbolic_tensors")
-    in_symbolic_scope = internals.symbol("keras.src.backend.common.symbolic_scope.in_symbolic_scope")
-    if mask is not None or kwargs or in_symbolic_scope() or any_symbolic_tensors((inputs,)):
+    if (mask is not None or kwargs or models.in_symbolic_scope()
+            or models.any_symbolic_tensors((inputs,))):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
     replica = replica_id()
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
                                  strategy.num_micro_batches, inputs, training)
-
-
-class _Copies:
-    """Stands for a variable to colocate with: its copies' devices (`_devices`, as TensorFlow
-    reads them)."""
-
-    def __init__(self, devices):
-        self._devices = tuple(devices)
 
 
 def _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages):
@@ -649,8 +642,7 @@ def stage_reductions(grid, collective_keys):
 
 
 @internals.overrides
-class _PipelineExtended(
-        internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")):
+class _PipelineExtended(tf_runtime.mirrored_extended()):
     """A mirrored strategy over the replicas' first devices, with one reduction per stage.
 
     Variables are mirrored over the replicas; placement moves each copy to its
@@ -664,15 +656,16 @@ class _PipelineExtended(
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
-        reductions = stage_reductions(self._grid, self._collective_keys)
+        reductions = stage_reductions(self._grid, tf_runtime.collective_keys(self))
         self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
         self._stage_ops = {r.devices: r.ops for r in reductions}
         # Stage 0's devices are the replicas'.
-        internals.set_attr(self, "_cross_device_ops", reductions[0].ops)
+        tf_runtime.set_cross_device_ops(self, reductions[0].ops)
 
     def _get_cross_device_ops(self, value):
         ops = super()._get_cross_device_ops(value)
-        if ops is not self._cross_device_ops or not isinstance(value, tf.distribute.DistributedValues):
+        if (ops is not tf_runtime.cross_device_ops(self)
+                or not isinstance(value, tf.distribute.DistributedValues)):
             return ops  # XLA or int32: TensorFlow's own choice.
         devices = tuple(canonical_device(v.device) for v in value.values)
         return self._stage_ops.get(devices, ops)
@@ -688,7 +681,7 @@ class _PipelineExtended(
         for ops, indices in groups.values():
             reduced = ops.batch_reduce(
                 reduce_op, [value_destination_pairs[i] for i in indices],
-                options=self._communication_options.merge(options))
+                options=tf_runtime.communication_options(self).merge(options))
             for i, value in zip(indices, reduced):
                 results[i] = value
         return results
@@ -706,7 +699,7 @@ class _PipelineExtended(
             home = self._container_strategy()._default_home  # (A variable of no layer.)
         copies = None
         if colocate_with is None and home is not None:
-            # MirroredExtended makes one copy per device of `colocate_with._devices`.
+            # MirroredExtended makes one copy per device of what it colocates with.
             copies = tuple(map(canonical_device, home * len(self._grid) if len(home) == 1
                                else home))
         # Under shard=...: optimizer state on its variable's owner among the stage's
@@ -716,14 +709,11 @@ class _PipelineExtended(
         if owned is not None:
             return owned
         if copies is not None:
-            kwargs["colocate_with"] = _Copies(copies)
+            kwargs["colocate_with"] = tf_variables.colocate_with_devices(copies)
         variable = super()._create_variable(next_creator, **kwargs)
         if copies is not None:
-            internals.check(mirrored_placement.devices_of(variable) == copies,
-                            "MirroredExtended._create_variable making copies on "
-                            "colocate_with._devices")
-        distributed_variable = internals.symbol(
-            "tensorflow.python.distribute.values.DistributedVariable")
+            tf_variables.check_copies_on(mirrored_placement.devices_of(variable), copies)
+        distributed_variable = tf_variables.distributed_variable_class()
         if isinstance(colocate_with, distributed_variable) and isinstance(
                 variable, distributed_variable):
             # Optimizer state: when placement later moves `colocate_with`, it follows.

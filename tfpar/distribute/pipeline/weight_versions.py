@@ -22,7 +22,7 @@ weights: the step is an ordinary one. The older version is not saved in checkpoi
 import tensorflow as tf
 
 from tfpar.distribute import mirrored_placement
-from tfpar.keras import internals
+from tfpar.keras import tf_variables
 from tfpar.keras.replicas import replica_id
 
 
@@ -47,7 +47,7 @@ class WeightVersions:
 
     @staticmethod
     def _copies(variable):
-        return internals.attr(mirrored_placement.distributed_value(variable), "_values")
+        return tf_variables.copies(mirrored_placement.distributed_value(variable))
 
     def covers(self, variables):
         """True if these are the variables it versions (a model's trainable set), their

@@ -49,7 +49,7 @@ from tfpar.cluster.silence_watch import tell
 from tfpar.cluster.tf_config import check_pipeline_cluster
 from tfpar.distribute.cluster import cluster_config
 from tfpar.errors import ClusterError, DeviceError
-from tfpar.keras import internals
+from tfpar.keras import tf_runtime
 
 # TensorFlow's switch for streamed eager requests (see the module docstring).
 STREAMING_ENQUEUE_ENV = "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE"
@@ -202,7 +202,7 @@ def connect(cluster_resolver, connect_timeout_seconds):
 
 def connected():
     """The StageWorkers of the cluster this process is connected to; None if it is not."""
-    server_def = internals.symbol("tensorflow.python.eager.context.get_server_def")()
+    server_def = tf_runtime.server_def()
     if server_def is None:
         return None
     return StageWorkers({f"/job:{job.name}/replica:0/task:{index}": address

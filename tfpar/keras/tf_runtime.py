@@ -1,0 +1,149 @@
+"""TensorFlow's distribution runtime as tfpar's strategies use it: the private classes they
+extend, the private state of those classes they read or set, collectives, devices and the
+eager context.
+
+Every private is read through `internals` (listed in its manifest, failing closed with the
+versions named); the runtime (`tfpar.distribute`) calls these functions instead of naming
+a private. The overrides of these classes' private methods stay on tfpar's subclasses,
+declared with `@internals.overrides`.
+
+Importing this module imports no TensorFlow (`tfpar.devices` stays light to import).
+"""
+
+from tfpar.keras import internals
+
+# --- The extended classes tfpar's strategies subclass ------------------------------------
+
+
+def mirrored_extended():
+    """TensorFlow's `MirroredExtended` (the extended of `tf.distribute.MirroredStrategy`)."""
+    return internals.symbol("tensorflow.python.distribute.mirrored_strategy.MirroredExtended")
+
+
+def collective_all_reduce_extended():
+    """TensorFlow's `CollectiveAllReduceExtended` (of `MultiWorkerMirroredStrategy`)."""
+    return internals.symbol(
+        "tensorflow.python.distribute.collective_all_reduce_strategy.CollectiveAllReduceExtended")
+
+
+def one_device_extended():
+    """TensorFlow's `OneDeviceExtended` (of `tf.distribute.OneDeviceStrategy`)."""
+    return internals.symbol("tensorflow.python.distribute.one_device_strategy.OneDeviceExtended")
+
+
+# --- Their private state -------------------------------------------------------------------
+
+
+def set_collective_key_base(strategy, key_base):
+    """Gives a mirrored strategy, before its extended is made, the base of its collectives'
+    group keys (`MirroredExtended` reads `_collective_key_base` when it makes its keys)."""
+    internals.set_attr(strategy, "_collective_key_base", key_base)
+
+
+def collective_keys(extended):
+    """The `CollectiveKeys` of a mirrored extended, shared by its collectives."""
+    return internals.attr(extended, "_collective_keys")
+
+
+def replica_devices(extended):
+    """The devices of a mirrored extended's replicas (on this worker), canonical."""
+    return internals.attr(extended, "_devices")
+
+
+def one_device(extended):
+    """The device of a `OneDeviceExtended`."""
+    return internals.attr(extended, "_device")
+
+
+def cross_device_ops(extended):
+    """The cross-device ops a mirrored extended reduces with."""
+    return internals.attr(extended, "_cross_device_ops")
+
+
+def communication_options(extended):
+    """The collective `Options` a mirrored extended was made with."""
+    return internals.attr(extended, "_communication_options")
+
+
+def set_cross_device_ops(extended, ops):
+    """Makes `ops` the cross-device ops a mirrored extended reduces with."""
+    internals.set_attr(extended, "_cross_device_ops", ops)
+
+
+def num_workers(extended):
+    """The workers of a `CollectiveAllReduceExtended`."""
+    return internals.attr(extended, "_num_workers")
+
+
+def num_replicas_in_sync(extended):
+    """The replicas of a `CollectiveAllReduceExtended`, over all workers."""
+    return internals.attr(extended, "_num_replicas_in_sync")
+
+
+def first_local_replica(extended):
+    """The id (in the sync group) of this worker's first replica, of a
+    `CollectiveAllReduceExtended`."""
+    return internals.attr(extended, "_get_replica_id_in_sync_group")(0)
+
+
+def update_context(device):
+    """TensorFlow's context of an optimizer update of a variable on `device` (what
+    `extended.update` enters)."""
+    return internals.symbol("tensorflow.python.distribute.distribute_lib.UpdateContext")(device)
+
+
+# --- Collectives ---------------------------------------------------------------------------
+
+
+def collective_implementation(communication):
+    """TensorFlow's `CommunicationImplementation` for "ring" or "nccl"."""
+    implementations = internals.symbol(
+        "tensorflow.python.distribute.collective_util.CommunicationImplementation")
+    return {"ring": implementations.RING, "nccl": implementations.NCCL}[communication]
+
+
+def collective_options(**options):
+    """TensorFlow's collective `Options` (bytes_per_pack, timeout_seconds, implementation)."""
+    return internals.symbol("tensorflow.python.distribute.collective_util.Options")(**options)
+
+
+def ring_all_reduce(devices, bytes_per_pack, keys):
+    """TensorFlow's `CollectiveAllReduce` cross-device ops over `devices` (ring), packing
+    tensors into about `bytes_per_pack` bytes (0: one collective per tensor), its
+    instance keys drawn from `keys` (a `CollectiveKeys`)."""
+    return internals.symbol("tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
+        devices=devices,
+        group_size=len(devices),
+        options=collective_options(bytes_per_pack=bytes_per_pack,
+                                   implementation=collective_implementation("ring")),
+        collective_keys=keys)
+
+
+# --- Devices and the eager context ---------------------------------------------------------
+
+
+def canonical_device(device):
+    """'/cpu:1' -> '/job:localhost/replica:0/task:0/device:CPU:1' (TensorFlow's own
+    canonical form)."""
+    return internals.symbol("tensorflow.python.distribute.device_util.canonicalize")(device)
+
+
+def coordination_service():
+    """The eager context, whose coordination service keeps the cluster's key-value store."""
+    return internals.symbol("tensorflow.python.eager.context.context")()
+
+
+def server_def():
+    """The `ServerDef` of the cluster this process is connected to, or None."""
+    return internals.symbol("tensorflow.python.eager.context.get_server_def")()
+
+
+def tape_recording():
+    """Whether a gradient tape may be recording what runs now."""
+    return internals.symbol("tensorflow.python.eager.record.could_possibly_record")()
+
+
+def add_control_input(op, before):
+    """Makes graph op `op` wait for op `before` (an op already built: TensorFlow's own
+    `Operation._add_control_input`)."""
+    internals.attr(op, "_add_control_input")(before)
