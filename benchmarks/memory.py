@@ -80,10 +80,13 @@ def shape(config, args):
 def _remat_activations(config, width, layers, batch, micro_batches):
     """What the 2 stages of a GPipe step with remat keep, fp32 (the plan's activation
     bytes per model copy, which it splits over the stages): each stage's input for every
-    micro-batch until its backward (on the chief when offloaded), and one micro-batch's
-    recomputed layer outputs (matmul and tanh) during a backward."""
-    kept = 0 if config == "offload2" else 4 * batch * width
-    rerun = 4 * (batch // micro_batches) * width * 2 * (layers // 2)
+    micro-batch until its backward (on the chief when offloaded: then the inputs of 2
+    micro-batches, the one in use and the next one fetched back), and one micro-batch's
+    recomputed layer outputs (matmul and tanh) during a backward with the gradients
+    flowing back through a layer (two of its outputs' size)."""
+    micro_batch_input = 4 * (batch // micro_batches) * width
+    kept = 2 * micro_batch_input if config == "offload2" else 4 * batch * width
+    rerun = micro_batch_input * (2 * (layers // 2) + 2)
     return 2 * (kept + rerun)
 
 

@@ -129,8 +129,8 @@ class MemoryConfig:
     (0: the stage's share). `input_bytes` is one batch of inputs and targets of one model
     copy (per replica for data parallelism); the device that takes them (every replica,
     a split model's first device) holds `input_copies` such batches at once: measured
-    on CPU workers, 4 (the batch in use, the one arriving, two prefetched), and a
-    pipeline's first stage one more (the micro-batches cut from it). None: those.
+    on CPU workers, 4 (the batch in use, the one arriving, two prefetched), the
+    default.
 
     >>> MemoryConfig("sharded", 8, shard="gradients").stage
     2
@@ -146,11 +146,9 @@ class MemoryConfig:
     gradient_window_bytes: int = 0
     num_replicas: int = 1
     input_bytes: int = 0
-    input_copies: int = None
+    input_copies: int = 4
 
     def __post_init__(self):
-        if self.input_copies is None:
-            object.__setattr__(self, "input_copies", 5 if self.kind == "pipeline" else 4)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}. "
                              f"Received: kind={self.kind!r}")
