@@ -95,33 +95,58 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
                  cluster_resolver=None, timeout_seconds=None, shard=None,
                  reshard_after_forward=None):
-        _set_shard(self, shard, reshard_after_forward)
-        self._tfpar_gathers_parameters = False  # One host: a replica reads the owner's copy.
-        # Under shard=..., tfpar packs gradients itself, whatever the reduction.
-        self._tfpar_bucket_bytes = check_bytes_per_pack(
-            bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
-        bytes_per_pack = check_bytes_per_pack(
-            None if self._tfpar_shard_stage else bytes_per_pack, default=0)
+        # One construction path for one host and for workers; what differs is in the
+        # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
+        self._tfpar_shard_stage = sharding.check_shard(shard)
+        self.shard = shard
+        self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
+        self._tfpar_regathered = set()  # ids of the models made to regather.
+        if self.reshard_after_forward:
+            keras_hooks.install_model_call_hook()
         self._tfpar_cluster_resolver = (
             cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        # Under shard=..., tfpar packs gradients itself (in these buckets), whatever the
+        # reduction.
+        self._tfpar_bucket_bytes = check_bytes_per_pack(
+            bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
+        extended = self._build_extended(
+            devices, communication, None if self._tfpar_shard_stage else bytes_per_pack,
+            timeout_seconds)
+        tf.distribute.Strategy.__init__(self, extended)
+        keras_hooks.install_exact_replicas()
+        self._install_keras_hooks()
+        sharded.set_up(self, self.num_replicas_in_sync, lambda: sharded.ShardCollectives(
+            *self._shard_collective_args(extended)))
+        self._join_workers()
+
+    # -- The steps of construction on one host --------------------------------------------
+
+    # Stage 3 on one host: a replica reads the owner's copy (no collective).
+    _tfpar_gathers_parameters = False
+
+    def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
         resolved = devices_lib.resolve_devices(devices)
         self.communication = select_communication(
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))
-        # Read by MirroredExtended when it makes its CollectiveKeys.
-        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
+        bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         if bytes_per_pack and self.communication != "ring":
             raise ValueError(
                 f"bytes_per_pack packs gradients for communication='ring', but this strategy "
                 f"uses {self.communication!r}. Pass communication='ring' or drop bytes_per_pack.")
-        extended = _DataParallelExtended(
-            self, resolved, self.communication, bytes_per_pack)
-        super(tf.distribute.MirroredStrategy, self).__init__(extended)
-        keras_hooks.install_exact_replicas()
+        # Read by MirroredExtended when it makes its CollectiveKeys.
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
+        return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack)
+
+    def _install_keras_hooks(self):
         keras_hooks.install_crash_safe_backups()
-        sharded.set_up(self, len(resolved), lambda: sharded.ShardCollectives(
-            sharding.collectives_for(self.communication),
-            tf_runtime.collective_keys(extended), resolved))
+
+    def _shard_collective_args(self, extended):
+        return (sharding.collectives_for(self.communication),
+                tf_runtime.collective_keys(extended), extended.worker_devices)
+
+    def _join_workers(self):
+        """Nothing to agree on with other workers on one host."""
 
     @property
     def cluster_resolver(self):
@@ -212,16 +237,6 @@ class _DataParallelExtended(tf_runtime.mirrored_extended()):
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
 
 
-def _set_shard(strategy, shard, reshard_after_forward):
-    """The ZeRO arguments of either construction path."""
-    strategy._tfpar_shard_stage = sharding.check_shard(shard)
-    strategy.shard = shard
-    strategy.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
-    strategy._tfpar_regathered = set()  # ids of the models made to regather.
-    if strategy.reshard_after_forward:
-        keras_hooks.install_model_call_hook()
-
-
 class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
 
@@ -237,52 +252,52 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
     # gradients waited for their turn. Not used there.)
     _tfpar_updates_in_turn = True
 
-    def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
-                 cluster_resolver=None, timeout_seconds=None, shard=None,
-                 reshard_after_forward=None):
-        _set_shard(self, shard, reshard_after_forward)
+    @property
+    def _tfpar_gathers_parameters(self):
         # Stage 3: a replica reads another worker's variables through collectives.
-        self._tfpar_gathers_parameters = self._tfpar_shard_stage == 3
+        return self._tfpar_shard_stage == 3
+
+    def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
         if devices is not None:
             raise DeviceError(
                 "devices cannot be chosen across workers: each worker uses all its GPUs, or "
                 "its CPU. Pass devices=None.")
-        resolver = cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        self._tfpar_cluster_resolver = resolver
         # The GPUs this worker's replicas will use: visible ones, split as configured.
         gpus = devices_lib.logical_gpu_owners()
         self.communication = select_communication(
             communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True,
             physical_gpus=gpus)
         self.timeout_seconds = multi_worker.collective_timeout(timeout_seconds)
-        self._tfpar_bucket_bytes = check_bytes_per_pack(
-            bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
-        options = tf_runtime.collective_options(
-            bytes_per_pack=check_bytes_per_pack(
-                None if self._tfpar_shard_stage else bytes_per_pack,
-                multi_worker.MULTI_WORKER_PACK_BYTES),
+        self._worker_options = tf_runtime.collective_options(
+            bytes_per_pack=check_bytes_per_pack(bytes_per_pack,
+                                                multi_worker.MULTI_WORKER_PACK_BYTES),
             timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
             implementation=multi_worker.implementation(self.communication))
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
-        extended = multi_worker.MultiWorkerExtended(
-            self, cluster_resolver=resolver, communication_options=options)
-        super(tf.distribute.MultiWorkerMirroredStrategy, self).__init__(extended)
+        return multi_worker.MultiWorkerExtended(
+            self, cluster_resolver=self._tfpar_cluster_resolver,
+            communication_options=self._worker_options)
+
+    def _install_keras_hooks(self):
         keras_hooks.install_multi_worker_callbacks()
-        keras_hooks.install_exact_replicas()
         keras_hooks.install_cluster_error_explanation()
-        sharded.set_up(self, self.num_replicas_in_sync, lambda: sharded.ShardCollectives(
-            sharding.collectives_for(
-                self.communication, across_workers=True,
-                pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
-            tf_runtime.collective_keys(extended), extended.worker_devices,
-            options.timeout_seconds, key_base=self._collective_key_base))
-        self._tfpar_cluster = multi_worker.Peers(resolver)
+
+    def _shard_collective_args(self, extended):
+        return (sharding.collectives_for(
+                    self.communication, across_workers=True,
+                    pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
+                tf_runtime.collective_keys(extended), extended.worker_devices,
+                self._worker_options.timeout_seconds, self._collective_key_base)
+
+    def _join_workers(self):
+        """Every worker made the same strategy (checked through the cluster)."""
+        self._tfpar_cluster = multi_worker.Peers(self._tfpar_cluster_resolver)
         self._tfpar_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
         self._tfpar_backups = 0  # Backups resumed from (sharded), numbered alike.
         rendezvous.check_same_strategies(
             self._tfpar_cluster, group_keys.cluster_index(self._collective_key_base),
-            f"{self!r} bytes_per_pack={options.bytes_per_pack}/{self._tfpar_bucket_bytes}",
-            self._tfpar_check_seconds)
+            f"{self!r} bytes_per_pack={self._worker_options.bytes_per_pack}/"
+            f"{self._tfpar_bucket_bytes}", self._tfpar_check_seconds)
 
     @property
     def _tfpar_check_seconds(self):
