@@ -16,8 +16,9 @@ import sys
 import pytest
 
 from tfpar.plan import __main__ as cli
-from tfpar.plan import memory, units
-from tfpar.plan.memory import MemoryConfig, advise, estimate_memory
+from tfpar.plan import advisor, memory, units
+from tfpar.plan.advisor import advise
+from tfpar.plan.memory import MemoryConfig, estimate_memory
 
 SHARDS = [None, "optimizer", "gradients", "parameters"]
 
@@ -198,7 +199,12 @@ DATA, STAGE = "DataParallelStrategy()", "DataParallelStrategy(shard={!r})"
     (10000, 14000, STAGE.format("parameters"), 3, 4),
     (10000, 13999, "PipelineStrategy(num_stages=2, num_replicas=2)", None, 2),
     (10000, 13000, "PipelineStrategy(num_stages=2, num_replicas=2)", None, 2),
-    (10000, 12999, "PipelineStrategy(num_stages=4, num_replicas=1)", None, 4),
+    # K=2 with ZeRO-1 over its 2 replicas: 4*500 + 4*500 + 8*250 + 5000 = 11000 fits, and
+    # beats K=4 (a smaller bubble, the same traffic as the all-reduce).
+    (10000, 12999, "PipelineStrategy(num_stages=2, num_replicas=2, shard='optimizer')", None, 2),
+    # K=2, ZeRO-2: 4*500 + 4*250 + 8*250 + 5000 = 10000.
+    (10000, 10000, "PipelineStrategy(num_stages=2, num_replicas=2, shard='gradients')", None, 2),
+    (10000, 9999, "PipelineStrategy(num_stages=4, num_replicas=1)", None, 4),
     (10000, 6500, "PipelineStrategy(num_stages=4, num_replicas=1)", None, 4),
     (10000, 6499, None, None, None),
 ])
@@ -217,10 +223,16 @@ def test_every_option_reports_its_bytes_per_device():
 
 def test_pipeline_stages_divide_the_devices():
     """P=1000 over 6 devices, 6000 activation bytes. ZeRO stage 3: owned 167, so
-    16*167 + 6000 = 8672. Pipelines: K=3 holds ceil(1000/3)=334 -> 5344 + 2000 = 7344;
-    K=4 would need 4000 + 1500 = 5500 but does not divide 6; K=6: 2672 + 1000 = 3672."""
+    16*167 + 6000 = 8672. Pipelines: K=2 (R=3) with ZeRO-2: 4*500 + 12*167 + 3000 = 7004;
+    K=3 holds ceil(1000/3)=334 -> 5344 + 2000 = 7344, with ZeRO-1 over its 2 replicas
+    8*334 + 8*167 + 2000 = 6008 (chosen); K=4 would need 4000 + 1500 = 5500 but does not
+    divide 6; K=6: 2672 + 1000 = 3672 (the single pipeline option: the fewest stages
+    without ZeRO that fit)."""
     advice = advise(1000, 6, 7000, activation_bytes=6000)
-    assert advice.strategy == "PipelineStrategy(num_stages=6, num_replicas=1)"
+    assert advice.strategy == "PipelineStrategy(num_stages=3, num_replicas=2, shard='optimizer')"
+    assert (advice.data, advice.pipe, advice.model, advice.zero) == (2, 3, 1, 1)
+    assert advice.chosen.bytes_per_device == 6008
+    assert advice.options[-1].strategy == "PipelineStrategy(num_stages=6, num_replicas=1)"
     assert advice.options[-1].bytes_per_device == 16 * 167 + 1000
 
 
@@ -374,7 +386,7 @@ def test_cli_main_returns_0_in_process(capsys):
 
 # --- Examples in docstrings ----------------------------------------------------------
 
-@pytest.mark.parametrize("module", [memory, units])
+@pytest.mark.parametrize("module", [memory, units, advisor])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed

@@ -50,6 +50,38 @@ def test_model_parallel_strategy_trains(tmp_path):
     assert float(optimizer.learning_rate.numpy()) < 1e-7  # 0.01 at a constant rate
 
 
+def test_auto_trains_the_layout_the_advisor_names():
+    """At 350000 B per device the binary's MLP (25,347 parameters, Adam, batch 64) fits
+    neither data parallelism nor ZeRO 1-3 on 2 devices, but a 2-stage pipeline."""
+    code, output = _train("--strategy=auto", "--bytes_per_device=350000", "--epochs=1")
+    assert code == 0, output[-3000:]
+    assert "Degrees: data=1 pipe=2 model=1 zero=0" in output
+    assert "tfpar.train: PipelineStrategy on 2 logical CPUs" in output
+    assert _final(output)[3] == 1
+
+
+@pytest.mark.parametrize("budget,message", [
+    ("300000", r"data 1 x pipe 1 x model 2 .*does not build yet"),  # Only TP=2 fits.
+    ("100000", r"no layout fits.*smallest shortfall"),
+    ("lots", r"--bytes_per_device: Cannot read 'lots'"),
+])
+def test_auto_refuses_what_it_cannot_build_before_training(budget, message):
+    code, output = _train("--strategy=auto", f"--bytes_per_device={budget}", timeout=120)
+    assert code == 2, output[-3000:]
+    assert re.search(message, output), output[-3000:]
+    assert "final:" not in output and "Epoch" not in output
+
+
+def test_the_planned_layers_are_the_built_model():
+    from tfpar import data, train
+
+    source = data.load("spirals")
+    planned = train.model_layers(source.input_shape, source.num_classes, 64)
+    built = train.build_model(source)
+    assert [layer.params for layer in planned] == [
+        layer.count_params() for layer in built.layers if layer.weights]
+
+
 def test_a_bad_learning_rate_decay_is_refused_before_anything_starts():
     from tfpar import train
 

@@ -64,11 +64,26 @@ def load(name=BUILTIN, split="train", data_dir=None, num_examples=6000, seed=0):
         if split_seed is None:
             raise ValueError(f"The {BUILTIN} dataset has splits 'train' and 'test'. Received: {split!r}")
         x, y = spirals(num_examples=num_examples, seed=split_seed)
-        return Source(tf.data.Dataset.from_tensor_slices((x, y)), 3, (2,), len(x))
+        input_shape, num_classes = describe(BUILTIN)
+        return Source(tf.data.Dataset.from_tensor_slices((x, y)), num_classes, input_shape,
+                      len(x))
     return _load_tfds(name, split, data_dir)
 
 
-def _load_tfds(name, split, data_dir):
+def describe(name=BUILTIN, data_dir=None):
+    """`(input_shape, num_classes)` of a dataset, read without loading its examples (for
+    planning memory before TensorFlow places anything)."""
+    if name == BUILTIN:
+        return (2,), 3
+    return _shape_and_classes(_tfds_builder(name, data_dir).info)
+
+
+def _shape_and_classes(info):
+    features, label = info.supervised_keys
+    return tuple(info.features[features].shape), int(info.features[label].num_classes)
+
+
+def _tfds_builder(name, data_dir):
     import tensorflow_datasets as tfds
 
     try:
@@ -82,15 +97,16 @@ def _load_tfds(name, split, data_dir):
             f"The tfds dataset {name!r} is not prepared in data_dir={data_dir!r}. tfpar "
             f"does not download: prepare it there first (`tfds build {name} "
             f"--data_dir=DIR` on a machine with network) or use --dataset={BUILTIN}.")
+    return builder
+
+
+def _load_tfds(name, split, data_dir):
+    builder = _tfds_builder(name, data_dir)
     info = builder.info
     dataset = builder.as_dataset(split=split, as_supervised=True, shuffle_files=False)
-    features, label = info.supervised_keys
-    return Source(
-        dataset=dataset,
-        num_classes=int(info.features[label].num_classes),
-        input_shape=tuple(info.features[features].shape),
-        num_examples=int(info.splits[split].num_examples),
-    )
+    input_shape, num_classes = _shape_and_classes(info)
+    return Source(dataset=dataset, num_classes=num_classes, input_shape=input_shape,
+                  num_examples=int(info.splits[split].num_examples))
 
 
 def dataset_fn(dataset, global_batch_size, shuffle_buffer=0, seed=0, drop_remainder=False):

@@ -1,10 +1,57 @@
-"""Strategy by name, for binaries and the launcher."""
+"""Strategy by name, for binaries and the launcher; the strategy an advice names."""
 
-STRATEGIES = ("data", "ps", "model", "pipeline")
+STRATEGIES = ("data", "ps", "model", "pipeline", "auto")
+
+
+class AutoError(ValueError):
+    """`--strategy=auto` cannot build what the advisor chose (or nothing fits)."""
+
+
+def from_advice(advice, tensor_parallel_built=None):
+    """The `make_strategy` name and keyword arguments of the layout `advice`
+    (`tfpar.plan.advise`) chose: ("data", {"shard": ...}) for data parallelism and ZeRO,
+    ("pipeline", {"num_stages", "num_replicas", "shard"[, "tensor_parallel"]}) for a
+    pipeline (with data parallelism over its replicas) or tensor parallelism.
+
+    An `AutoError` when nothing fits, or when the layout needs tensor parallelism and
+    `PipelineStrategy` has no `tensor_parallel` (`tensor_parallel_built`; None: look):
+    `auto` never trains a layout other than the one that fits.
+
+    >>> from tfpar.plan import advise
+    >>> from_advice(advise(1000, 4, 10_000))
+    ('data', {'shard': 'optimizer'})
+    """
+    chosen = advice.chosen
+    if chosen is None:
+        raise AutoError(f"--strategy=auto: no layout fits. {advice._reason()}")
+    shard = chosen.config.shard
+    if chosen.pipe == 1 and chosen.model == 1:
+        return "data", {"shard": shard}
+    kwargs = {"num_stages": chosen.pipe, "num_replicas": chosen.data, "shard": shard}
+    if chosen.model > 1:
+        if tensor_parallel_built is None:
+            tensor_parallel_built = _pipeline_has_tensor_parallel()
+        if not tensor_parallel_built:
+            raise AutoError(
+                f"--strategy=auto: the layout that fits is data {chosen.data} x pipe "
+                f"{chosen.pipe} x model {chosen.model} ({chosen.strategy}): tensor parallelism "
+                f"inside each stage, which this tfpar's PipelineStrategy does not build yet "
+                f"(no tensor_parallel argument). Nothing simpler fits: give more memory per "
+                f"device (--bytes_per_device) or more devices, or choose --strategy yourself.")
+        kwargs["tensor_parallel"] = chosen.model
+    return "pipeline", kwargs
+
+
+def _pipeline_has_tensor_parallel():
+    import inspect
+
+    from tfpar.distribute.pipeline.strategy import PipelineStrategy
+
+    return "tensor_parallel" in inspect.signature(PipelineStrategy).parameters
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
-                  ps_mode="async", pipeline=None):
+                  ps_mode="async", pipeline=None, shard=None):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
@@ -13,7 +60,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     "pipeline" is `PipelineStrategy` on one host, or, on the chief of a TF_CONFIG cluster
     without ps tasks (`tfpar launch --workers N --coordinator`), one stage per worker task
     (`num_devices` does not apply); `pipeline` is a dict of its keyword arguments
-    (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages).
+    (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages, shard).
+    `shard`: for "data", the ZeRO stage's name (`DataParallelStrategy(shard=...)`).
+    "auto" is resolved by the caller (`from_advice`), not here.
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
     and `num_devices` is ignored. On one host with no GPU, `num_devices` logical CPUs
@@ -22,6 +71,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}. Use one of: {', '.join(STRATEGIES)}.")
+    if name == "auto":
+        raise ValueError("make_strategy('auto'): resolve the advice first with "
+                         "from_advice(tfpar.plan.advise(...)), then build that name.")
     if name == "ps":
         from tfpar.distribute.parameter_server import ParameterServerStrategy
 
@@ -46,8 +98,10 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     from tfpar.distribute.multi_worker import cluster_worker_count
 
     if cluster_worker_count() > 1:  # TF_CONFIG names several workers
-        return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds)
-    return DataParallelStrategy(devices=_local_devices(num_devices), communication=communication)
+        return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds,
+                                    shard=shard)
+    return DataParallelStrategy(devices=_local_devices(num_devices), communication=communication,
+                                shard=shard)
 
 
 def _local_devices(num_devices):

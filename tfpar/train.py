@@ -6,10 +6,13 @@ spirals dataset, printing Keras progress, then final loss, accuracy, samples/s.
     python -m tfpar.train --strategy=data --num_devices=4 --epochs=10 \
         --model_dir=/tmp/run --log_dir=/tmp/run/logs
     python -m tfpar.train --strategy=pipeline --num_micro_batches=8 --schedule=1f1b
+    python -m tfpar.train --strategy=auto --bytes_per_device=400KB
     tfpar launch --workers 2 --coordinator -- python -m tfpar.train --strategy=pipeline
 
 Under `tfpar launch --coordinator` the pipeline runs on the chief with one stage per
-worker process.
+worker process. `--strategy=auto` asks `tfpar.plan.advise` for the data x pipe x model
+degrees that fit --bytes_per_device on this host's --num_devices, prints its reasoning and
+trains with that strategy (or stops, saying why, when nothing it can build fits).
 """
 
 import os
@@ -25,6 +28,9 @@ from tfpar.plan.schedule import SCHEDULES  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("strategy", "data", factory.STRATEGIES, "Which tfpar strategy trains the model.")
+flags.DEFINE_string("bytes_per_device", None,
+                    "For --strategy=auto: memory of each device, e.g. 16GiB (default: the "
+                    "host's available memory over --num_devices).")
 flags.DEFINE_integer("num_devices", 2, "Devices to use; on a host with no GPU, logical CPUs.")
 flags.DEFINE_string("communication", "auto", "All-reduce for --strategy=data.")
 flags.DEFINE_string("dataset", "spirals", "'spirals' (built in) or a tfds name prepared in --data_dir.")
@@ -60,6 +66,9 @@ flags.DEFINE_integer("num_replicas", 1,
                      "For --strategy=pipeline: pipeline replicas (devices = replicas x stages).")
 
 
+WIDTHS = (128, 128, 64)  # The hidden layers of build_model.
+
+
 def build_model(source, seed=0):
     """A multilayer perceptron for `source` (images are rescaled and flattened)."""
     import keras
@@ -67,10 +76,66 @@ def build_model(source, seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input(source.input_shape)
     x = keras.layers.Flatten()(inputs) if len(source.input_shape) > 1 else inputs
-    for width in (128, 128, 64):
+    for width in WIDTHS:
         x = keras.layers.Dense(width, activation="relu")(x)
     outputs = keras.layers.Dense(source.num_classes)(x)
     return keras.Model(inputs, outputs)
+
+
+def model_layers(input_shape, num_classes, batch_size, dtype_bytes=4):
+    """`build_model`'s Dense layers as `tfpar.plan.placement.LayerCost`s (parameters, and
+    the output each keeps for the backward pass at `batch_size`), without building it."""
+    import math
+
+    from tfpar.plan.placement import LayerCost
+
+    layers, width_in = [], math.prod(input_shape)
+    for i, width in enumerate(WIDTHS + (num_classes,)):
+        params = (width_in + 1) * width
+        layers.append(LayerCost(f"dense_{i}", params, params * dtype_bytes, 0,
+                                batch_size * width * dtype_bytes))
+        width_in = width
+    return layers
+
+
+def _available_memory():
+    """Bytes of memory available on this host (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def auto_advice(dataset="spirals", data_dir=None, num_devices=2, batch_size=64,
+                bytes_per_device=None):
+    """`tfpar.plan.advise` for training `build_model` on `dataset` (Adam, float32) over
+    `num_devices` devices of this host, at the global batch (counted whole on every model
+    copy: on the safe side for data parallelism). `bytes_per_device`: an int or text such
+    as "16GiB"; None: the host's available memory over the devices."""
+    import math
+
+    from tfpar import data
+    from tfpar.plan import advise, parse_bytes
+
+    if bytes_per_device is None:
+        available = _available_memory()
+        if available is None:
+            raise factory.AutoError("--strategy=auto needs --bytes_per_device here (this host "
+                                    "does not say how much memory it has available).")
+        bytes_per_device = available // num_devices
+    elif isinstance(bytes_per_device, str):
+        try:
+            bytes_per_device = parse_bytes(bytes_per_device)
+        except ValueError as error:
+            raise factory.AutoError(f"--bytes_per_device: {error}") from None
+    input_shape, num_classes = data.describe(dataset, data_dir)
+    return advise(model_layers(input_shape, num_classes, batch_size), num_devices,
+                  bytes_per_device, optimizer_slots=2, dtype_bytes=4,
+                  input_bytes=batch_size * (4 * math.prod(input_shape) + 8))
 
 
 def _as_float(features, label):
@@ -152,19 +217,35 @@ def what_runs(strategy, devices, gpu_absent, dataset, train_examples, test_examp
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=10, batch_size=64, learning_rate=0.01, model_dir=None,
         log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None,
-        learning_rate_decay="cosine"):
+        learning_rate_decay="cosine", bytes_per_device=None):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second.
 
     `pipeline`: for strategy "pipeline", a dict of `PipelineStrategy` keyword arguments.
     `learning_rate_decay`: "cosine" (to 0 over all the steps of `epochs`) or "none".
+    Strategy "auto": the one `auto_advice` (at `bytes_per_device`) names; its reasoning is
+    printed; a `factory.AutoError` when nothing it can build fits.
     """
     from tfpar import data
 
     if learning_rate_decay not in ("cosine", "none"):
         raise ValueError(f"learning_rate_decay must be 'cosine' or 'none'. Received: "
                          f"{learning_rate_decay!r}")
+    shard = None
+    if strategy_name == "auto":
+        from tfpar.cluster.tf_config import parse_tf_config
+
+        if parse_tf_config() is not None:
+            raise factory.AutoError("--strategy=auto plans this host's devices; on a TF_CONFIG "
+                                    "cluster choose --strategy yourself.")
+        advice = auto_advice(dataset, data_dir, num_devices, batch_size, bytes_per_device)
+        print(advice.explain(), end="", flush=True)
+        strategy_name, chosen = factory.from_advice(advice)
+        if strategy_name == "pipeline":
+            pipeline = {**(pipeline or {}), **chosen}
+        else:
+            shard = chosen["shard"]
     strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds,
-                                     ps_mode, pipeline)
+                                     ps_mode, pipeline, shard=shard)
     import keras
 
     from tfpar.plan.batching import per_replica_batch_size
@@ -250,7 +331,10 @@ def main(argv):
                      FLAGS.data_dir, FLAGS.epochs, FLAGS.batch_size, FLAGS.learning_rate,
                      FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
                      FLAGS.timeout_seconds, FLAGS.ps_mode, _pipeline_flags(),
-                     FLAGS.learning_rate_decay)
+                     FLAGS.learning_rate_decay, FLAGS.bytes_per_device)
+    except factory.AutoError as error:
+        print(f"tfpar.train: {error}", file=sys.stderr, flush=True)
+        return 2
     except Exception as error:
         message = _peer_failure(error)
         if message is None:

@@ -1,6 +1,23 @@
-"""Choosing the all-reduce implementation for a device list. Pure Python."""
+"""Choosing the all-reduce implementation for a device list, and the bytes each device
+sends per training step under each way of splitting the work. Pure Python.
+
+Bytes per step, per device (the busiest), from the Megatron-LM and DeepSpeed papers
+(a ring all-reduce of S bytes over n devices sends 2 (n-1)/n S from each,
+`layouts.ring_all_reduce_bytes`):
+
+    data parallel, G gradient bytes over R replicas   2 (R-1)/R G          (all-reduce)
+    ZeRO stage 1 or 2                                  2 (R-1)/R G          (reduce-scatter
+                                                                            + all-gather)
+    ZeRO stage 3                                       1.5 x 2 (R-1)/R G    (weights gathered
+                                                                            again for backward)
+    pipeline, boundary activation A per micro-batch,   M A forward + M A backward (a middle
+      M micro-batches, K stages                        stage; the first or last sends one way)
+    tensor parallel over T, L column+row layer pairs,  L M 2 x 2 (T-1)/T A (one all-reduce
+      output A per micro-batch                         forward, one backward, per pair)
+"""
 
 from tfpar.errors import CommunicationError
+from tfpar.plan.layouts import ring_all_reduce_bytes
 
 AUTO = "auto"
 NCCL = "nccl"
@@ -75,3 +92,44 @@ def check_bytes_per_pack(bytes_per_pack, default):
         raise ValueError(
             f"bytes_per_pack must be an integer >= 0 (or None). Received: {bytes_per_pack!r}")
     return bytes_per_pack
+
+
+# --- Bytes per training step ------------------------------------------------------------
+
+def data_parallel_bytes(gradient_bytes, num_replicas, zero_stage=0):
+    """Bytes each of `num_replicas` replicas sends per step to reduce `gradient_bytes` of
+    gradients (and, under ZeRO, gather the updated or sharded weights).
+
+    >>> data_parallel_bytes(1000, 4), data_parallel_bytes(1000, 4, zero_stage=3)
+    (1500.0, 2250.0)
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3. Received: {zero_stage!r}")
+    volume = ring_all_reduce_bytes(gradient_bytes, num_replicas)
+    return 1.5 * volume if zero_stage == 3 else volume
+
+
+def pipeline_bytes(boundary_bytes, num_stages, num_micro_batches=1):
+    """Bytes the busiest stage of a `num_stages` pipeline sends per step: each
+    micro-batch's activation (`boundary_bytes`) to the next stage and its gradient (the
+    same size) to the previous one; with 2 stages each sends one way only.
+
+    >>> pipeline_bytes(100, 1), pipeline_bytes(100, 2, 8), pipeline_bytes(100, 4, 8)
+    (0, 800, 1600)
+    """
+    directions = min(2, num_stages - 1)
+    return directions * num_micro_batches * boundary_bytes
+
+
+def tensor_parallel_bytes(activation_bytes, tensor_parallel, num_layer_pairs,
+                          num_micro_batches=1):
+    """Bytes each of `tensor_parallel` devices sends per step for `num_layer_pairs`
+    Megatron pairs (a column- then a row-parallel layer) whose output is
+    `activation_bytes` per micro-batch: per pair and micro-batch, one all-reduce of the
+    output forward and one of its gradient backward (Shoeybi et al. 2019).
+
+    >>> tensor_parallel_bytes(1000, 2, num_layer_pairs=3, num_micro_batches=4)
+    24000.0
+    """
+    return (num_layer_pairs * num_micro_batches * 2
+            * ring_all_reduce_bytes(activation_bytes, tensor_parallel))

@@ -1,7 +1,9 @@
-"""Memory per device before anything is built, and the strategy that fits a budget.
+"""Memory per device before anything is built (the advisor that picks a layout from it
+is `tfpar.plan.advisor`).
 
 Pure Python. A model is described by its number of parameters, or better by the
-size (elements) of each trainable variable in model order. Per device, training
+size (elements) of each trainable variable in model order, or by its layers
+(`LayerCost`: parameters and the activation bytes each keeps). Per device, training
 holds weights, gradients, optimizer state (`optimizer_slots` copies of each
 variable) and the activations kept for the backward pass.
 
@@ -17,17 +19,19 @@ P parameters, owned(r) those of replica r, d bytes per value and s slots:
 With Adam (s=2), fp32 (d=4) and owned(r) = P/N that is 16, 8 + 8/N, 4 + 12/N and
 16/N bytes per parameter. A pipeline (or model-parallel) device holds the state of
 its stage's variables; every kind keeps its activations (ZeRO does not shard them;
-stages split them evenly, as only their total is known).
+stages split a total evenly, or hold their own layers' when layers are given). Under
+tensor parallelism (T) each variable of a stage is divided over T devices.
 """
 
 import collections.abc
 import dataclasses
+import functools
 import math
 import numbers
 
 from tfpar.contract import hooks_of
 from tfpar.plan import sharding
-from tfpar.plan.placement import (LayerCost, _table, balanced_placement, device_totals,
+from tfpar.plan.placement import (LayerCost, _table, balanced_placement,
                                   format_bytes)
 from tfpar.plan import placement
 
@@ -54,6 +58,13 @@ class _Variables:
     total: int
     largest: int
     sizes: tuple = None  # None: only the total is known, taken as evenly divisible.
+    # Per unit (a layer given as a LayerCost): the bytes its output keeps for the backward
+    # pass at one model copy's batch. None: only `activation_bytes` in total is known.
+    activations: tuple = None
+
+    @property
+    def activation_total(self):
+        return sum(self.activations) if self.activations else 0
 
     def per_owner(self, num_replicas):
         """Parameters owned by each replica under ZeRO."""
@@ -62,29 +73,45 @@ class _Variables:
         owner_of = sharding.owners(self.sizes, num_replicas)
         return sharding.shard_sizes(self.sizes, owner_of, num_replicas)
 
-    def per_stage(self, num_stages):
-        """Parameters of each of `num_stages` contiguous, balanced stages."""
-        if self.sizes is None:
-            return _even(self.total, num_stages)
-        layers = [LayerCost(f"variable_{i}", size, 0, 0, 0) for i, size in enumerate(self.sizes)]
-        stages = list(range(num_stages))
-        totals = device_totals(layers, balanced_placement(layers, stages, by="params"), stages)
-        return [totals[stage].params for stage in stages]
-
-    def stages(self, num_stages):
-        """The variables of each of `num_stages` contiguous, balanced stages (the cut of
-        `per_stage`), each a `_Variables`."""
-        if self.sizes is None:
-            return [_Variables(p, min(p, self.largest)) for p in self.per_stage(num_stages)]
+    def _stage_of(self, num_stages):
         layers = [LayerCost(str(i), size, 0, 0, 0) for i, size in enumerate(self.sizes)]
         stage_of = balanced_placement(layers, list(range(num_stages)), by="params")
-        sizes = [tuple(size for i, size in enumerate(self.sizes) if stage_of[str(i)] == stage)
-                 for stage in range(num_stages)]
-        return [_Variables(sum(s), max(s), s) for s in sizes]
+        return [stage_of[str(i)] for i in range(len(self.sizes))]
+
+    def per_stage(self, num_stages):
+        """Parameters of each of `num_stages` contiguous, balanced stages."""
+        return [stage.total for stage in self.stages(num_stages)]
+
+    @functools.lru_cache(maxsize=64)  # The advisor asks for the same cuts again and again.
+    def stages(self, num_stages):
+        """The variables of each of `num_stages` contiguous, balanced stages (cut by
+        parameters, as PipelineStrategy's default), each a `_Variables`."""
+        if self.sizes is None:
+            return [_Variables(p, min(p, self.largest)) for p in _even(self.total, num_stages)]
+        stage_of = self._stage_of(num_stages)
+        units = [[i for i, s in enumerate(stage_of) if s == stage] for stage in range(num_stages)]
+        return [_Variables(sum(self.sizes[i] for i in u), max(self.sizes[i] for i in u),
+                           tuple(self.sizes[i] for i in u),
+                           tuple(self.activations[i] for i in u) if self.activations else None)
+                for u in units]
+
+    def split(self, tensor_parallel):
+        """Each variable divided over `tensor_parallel` devices (rounded up): every kernel
+        column- or row-split, as a LayoutMap splitting each layer does. Activations stay
+        whole (counted on every device of the group: Megatron splits only those inside a
+        column-then-row pair, so this is on the safe side)."""
+        t = tensor_parallel
+        if t == 1:
+            return self
+        if self.sizes is None:
+            return _Variables(-(-self.total // t), -(-self.largest // t))
+        sizes = tuple(-(-size // t) for size in self.sizes)
+        return _Variables(sum(sizes), max(sizes), sizes, self.activations)
 
 
 def _variables(spec, largest_variable=None):
-    """Normalizes a model description: a total, per-variable sizes, or a built Keras model."""
+    """Normalizes a model description: a total, per-variable sizes, per-layer `LayerCost`s
+    (their params and activation_bytes), or a built Keras model."""
     if hasattr(spec, "trainable_weights"):  # A Keras model, read without importing Keras.
         spec = [math.prod(w.shape) for w in spec.trainable_weights]
         if not spec:
@@ -100,14 +127,25 @@ def _variables(spec, largest_variable=None):
     if isinstance(spec, (str, bytes)) or not isinstance(spec, collections.abc.Iterable):
         raise TypeError(
             f"Describe the model by its number of parameters, the number of elements of each "
-            f"variable (a list of ints) or a built Keras model. Received: {spec!r}")
+            f"variable (a list of ints), its layers (a list of tfpar.plan.placement.LayerCost) "
+            f"or a built Keras model. Received: {spec!r}")
     if largest_variable is not None:
         raise ValueError("largest_variable is for a model given by its total only: the list "
                          "of variable sizes already says which is largest. Drop it.")
+    spec = list(spec)
+    layers = [isinstance(unit, LayerCost) for unit in spec]
+    activations = None
+    if any(layers):
+        if not all(layers):
+            raise TypeError("Describe the model by variable sizes or by LayerCost layers, "
+                            "not a mix of both.")
+        activations = tuple(_count(f"layers[{i}].activation_bytes", layer.activation_bytes)
+                            for i, layer in enumerate(spec))
+        spec = [layer.params for layer in spec]
     sizes = tuple(_count(f"sizes[{i}]", size) for i, size in enumerate(spec))
     if not sum(sizes):
         raise ValueError(f"The model needs at least one parameter. Received sizes: {list(sizes)}")
-    return _Variables(sum(sizes), max(sizes), sizes)
+    return _Variables(sum(sizes), max(sizes), sizes, activations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +168,9 @@ class MemoryConfig:
     copy (per replica for data parallelism); the device that takes them (every replica,
     a split model's first device) holds `input_copies` such batches at once: measured
     on CPU workers, 4 (the batch in use, the one arriving, two prefetched), the
-    default.
+    default. `tensor_parallel` (T, kind "pipeline"; num_devices=1 for none): each stage's
+    variables split over T devices of one host (Megatron's tensor parallelism), the
+    stage's activations and inputs whole on each; R x K x T devices in all.
 
     >>> MemoryConfig("sharded", 8, shard="gradients").stage
     2
@@ -147,6 +187,7 @@ class MemoryConfig:
     num_replicas: int = 1
     input_bytes: int = 0
     input_copies: int = 4
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -154,7 +195,8 @@ class MemoryConfig:
                              f"Received: kind={self.kind!r}")
         for name, minimum in (("num_devices", 1), ("optimizer_slots", 0), ("dtype_bytes", 1),
                               ("activation_bytes", 0), ("gradient_window_bytes", 0),
-                              ("num_replicas", 1), ("input_bytes", 0), ("input_copies", 0)):
+                              ("num_replicas", 1), ("input_bytes", 0), ("input_copies", 0),
+                              ("tensor_parallel", 1)):
             object.__setattr__(self, name, _count(name, getattr(self, name), minimum))
         stage = sharding.check_shard(self.shard)
         if self.kind == "model" and stage:
@@ -166,6 +208,11 @@ class MemoryConfig:
             raise ValueError(
                 f"num_replicas counts the copies of a pipeline; for kind={self.kind!r} the "
                 f"replicas are num_devices. Received: num_replicas={self.num_replicas}")
+        if self.tensor_parallel > 1 and self.kind != "pipeline":
+            raise ValueError(
+                f"tensor_parallel splits each stage of a pipeline over devices; use "
+                f"kind='pipeline' (num_devices=1 for tensor parallelism without a pipeline). "
+                f"Received: kind={self.kind!r}, tensor_parallel={self.tensor_parallel}")
         if self.kind == "sharded" and not stage:
             raise ValueError("kind='sharded' needs shard='optimizer', 'gradients' or "
                              "'parameters'. For no sharding use kind='data'.")
@@ -182,11 +229,15 @@ class MemoryConfig:
         'PipelineStrategy(num_stages=4, num_replicas=2)'
         >>> MemoryConfig("pipeline", 2, shard="optimizer", num_replicas=2).strategy()
         "PipelineStrategy(num_stages=2, num_replicas=2, shard='optimizer')"
+        >>> MemoryConfig("pipeline", 2, tensor_parallel=4).strategy()
+        'PipelineStrategy(num_stages=2, num_replicas=1, tensor_parallel=4)'
         """
         if self.kind == "pipeline":
             shard = f", shard={self.shard!r}" if self.shard else ""
+            tensor = (f", tensor_parallel={self.tensor_parallel}"
+                      if self.tensor_parallel > 1 else "")
             return (f"PipelineStrategy(num_stages={self.num_devices}, "
-                    f"num_replicas={max(num_replicas, self.num_replicas)}{shard})")
+                    f"num_replicas={max(num_replicas, self.num_replicas)}{tensor}{shard})")
         if self.kind == "model":
             return "ModelParallelStrategy()"
         return f"DataParallelStrategy({f'shard={self.shard!r}' if self.shard else ''})"
@@ -282,14 +333,19 @@ def _replicas(variables, config, num_replicas, activations, inputs=True):
 
 def _estimate(variables, config):
     if config.kind in _SPLIT_KINDS:
-        # Device (replica r, stage s) at r * K + s, as PipelineStrategy.stage_devices.
-        columns = [_replicas(stage, config, config.num_replicas, a, inputs=s == 0)
+        # Device (replica r, stage s, tensor rank t) at (r * K + s) * T + t, as
+        # PipelineStrategy.stage_devices (T = 1 without tensor parallelism).
+        t = config.tensor_parallel
+        columns = [_replicas(stage.split(t), config, config.num_replicas,
+                             a + stage.activation_total, inputs=s == 0)
                    for s, (stage, a) in enumerate(zip(
                        variables.stages(config.num_devices),
                        _even(config.activation_bytes, config.num_devices)))]
-        devices = [column[r] for r in range(config.num_replicas) for column in columns]
+        devices = [column[r] for r in range(config.num_replicas) for column in columns
+                   for _ in range(t)]
     else:
-        devices = _replicas(variables, config, config.num_devices, config.activation_bytes)
+        devices = _replicas(variables, config, config.num_devices,
+                            config.activation_bytes + variables.activation_total)
     return MemoryEstimate(config, variables.total, tuple(devices))
 
 
@@ -332,169 +388,3 @@ def compiled_optimizer_slots(model):
         type(optimizer).__name__, momentum=getattr(optimizer, "momentum", 0),
         centered=getattr(optimizer, "centered", False),
         amsgrad=getattr(optimizer, "amsgrad", False))
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One way to train: its strategy, memory per device and whether that fits.
-
-    >>> [(o.name, o.bytes_per_device, o.fits) for o in advise(1000, 4, 5000).options[2:4]]
-    [('ZeRO stage 2', 7000, False), ('ZeRO stage 3', 4000, True)]
-    """
-
-    name: str  # "data parallel", "ZeRO stage 2", "pipeline, 4 stages"
-    strategy: str
-    stage: int  # The ZeRO stage (0: none); None for a pipeline.
-    degree: int  # Replicas sharing the state (data parallel, ZeRO), or pipeline stages.
-    estimate: MemoryEstimate
-    fits: bool
-
-    @property
-    def bytes_per_device(self):
-        return self.estimate.peak
-
-
-@dataclasses.dataclass(frozen=True)
-class Advice:
-    """The options considered, cheapest communication first, and the one chosen (None:
-    nothing fits).
-
-    >>> a = advise(1000, 4, 10_000)
-    >>> a.strategy, a.stage, a.degree, [o.bytes_per_device for o in a.options]
-    ("DataParallelStrategy(shard='optimizer')", 1, 4, [16000, 10000, 7000, 4000, 8000])
-    """
-
-    budget: int
-    options: tuple
-    chosen: Option = None
-    notes: tuple = ()
-
-    @property
-    def strategy(self):
-        return self.chosen.strategy if self.chosen else None
-
-    @property
-    def stage(self):
-        return self.chosen.stage if self.chosen else None
-
-    @property
-    def degree(self):
-        return self.chosen.degree if self.chosen else None
-
-    def explain(self):
-        """Each option's bytes per device against the budget, and why the choice."""
-        first = self.options[0].estimate
-        c = first.config
-        lines = [f"{first.num_params:,} parameters, {c.dtype_bytes} B per value, "
-                 f"{_plural(c.optimizer_slots, 'optimizer slot')}, activations "
-                 f"{format_bytes(c.activation_bytes)} per model copy; "
-                 f"{_plural(c.num_devices, 'device')} of {format_bytes(self.budget)}:"]
-        name_width = max(len(o.name) for o in self.options)
-        strategy_width = max(len(o.strategy) for o in self.options)
-        for o in self.options:
-            verdict = ("fits" if o.fits else
-                       f"over by {format_bytes(o.bytes_per_device - self.budget)}")
-            lines.append(f"  {o.name:<{name_width}}  {o.strategy:<{strategy_width}}  "
-                         f"{format_bytes(o.bytes_per_device):>10}  {verdict}"
-                         f"{'  <- chosen' if o is self.chosen else ''}")
-        return "\n".join(lines + [self._reason()] + list(self.notes)) + "\n"
-
-    def _reason(self):
-        chosen, options = self.chosen, self.options
-        if chosen is None:
-            best = min(options, key=lambda o: o.bytes_per_device)
-            return (f"Does not fit: the smallest need is {format_bytes(best.bytes_per_device)} "
-                    f"per device ({best.name}), over the budget of {format_bytes(self.budget)}."
-                    f"{_zero3_hint(options[3].estimate, self.budget)} Use more devices, fewer "
-                    f"bytes per value (dtype_bytes), an optimizer with fewer slots, or a "
-                    f"smaller batch per model copy (activations).")
-        if chosen.stage == 0:
-            return f"Chosen: {chosen.strategy}: a full replica fits, nothing needs sharding."
-        before = options[options.index(chosen) - 1]
-        if chosen.stage is not None:
-            return (f"Chosen: {chosen.name}, the least sharding that fits ({before.name} needs "
-                    f"{format_bytes(before.bytes_per_device)}); each further stage communicates "
-                    f"more, and stage 3 gathers every variable before using it.")
-        activations = chosen.estimate.config.activation_bytes
-        of_which = (f" Of that, {format_bytes(activations)} are activations, which ZeRO does "
-                    f"not shard." if activations else "")
-        return (f"Chosen: {chosen.name}, the fewest that fit (fewer stages, smaller bubble): even "
-                f"{before.name} needs {format_bytes(before.bytes_per_device)} per device."
-                f"{of_which} A pipeline splits weights, state and activations over its stages; "
-                f"ModelParallelStrategy on {chosen.degree} devices needs the same memory but "
-                f"runs one stage at a time.")
-
-
-def _plural(n, noun):
-    return f"{n} {noun}{'s' * (n != 1)}"
-
-
-def _zero3_hint(estimate, budget):
-    """How many devices ZeRO stage 3 would need: only its state shrinks as 1/N."""
-    state = sum(d.weights + d.gradients + d.optimizer for d in estimate.devices)
-    fixed = estimate.devices[0].activations + estimate.devices[0].gather_buffer
-    if fixed >= budget:
-        return (f" Activations and the gather buffer alone ({format_bytes(fixed)}) are over "
-                f"the budget, however many devices share the state.")
-    return (f" ZeRO stage 3 would fit on about {math.ceil(state / (budget - fixed))} devices "
-            f"(more with uneven variables).")
-
-
-def _option(variables, config, budget, name, degree, num_replicas=1):
-    estimate = _estimate(variables, config)
-    return Option(name, config.strategy(num_replicas),
-                  None if config.kind in _SPLIT_KINDS else config.stage, degree, estimate,
-                  estimate.peak <= budget)
-
-
-def _pipeline_option(variables, budget, num_devices, **common):
-    """The pipeline with the fewest stages that fits (fewer stages, smaller bubble), else the
-    most split one; stages divide the devices, the rest are pipeline replicas."""
-    most = num_devices if variables.sizes is None else min(num_devices, len(variables.sizes))
-    option = None
-    for k in range(2, most + 1):
-        if num_devices % k == 0:
-            option = _option(variables, MemoryConfig("pipeline", k, **common), budget,
-                             f"pipeline, {k} stages", k, num_devices // k)
-            if option.fits:
-                break
-    return option
-
-
-def advise(num_params_or_sizes, num_devices, bytes_per_device, optimizer_slots=2, dtype_bytes=4,
-           activation_bytes=0, largest_variable=None):
-    """Returns the `Advice`: the least sharding that fits `bytes_per_device`.
-
-    Options, in order of growing communication: plain data parallelism, ZeRO stages
-    1, 2, 3, then a pipeline of K stages (K divides `num_devices`). The model is
-    described as for `estimate_memory`; `activation_bytes` is what one model copy
-    keeps at its batch, the same batch for every option.
-
-    1.3e9 parameters, Adam, 8 devices of 16 GiB: 20.8 GB per replica is too much,
-    ZeRO stage 1 needs 8 + 8/8 = 9 B/param (11.7 GB).
-
-    >>> advise(1.3e9, 8, 16 * 2**30).strategy
-    "DataParallelStrategy(shard='optimizer')"
-    """
-    budget = _count("bytes_per_device", bytes_per_device, 1)
-    num_devices = _count("num_devices", num_devices, 1)
-    variables = _variables(num_params_or_sizes, largest_variable)
-    common = dict(optimizer_slots=optimizer_slots, dtype_bytes=dtype_bytes,
-                  activation_bytes=activation_bytes)
-    options = [_option(variables, MemoryConfig("sharded" if shard else "data", num_devices,
-                                               shard, **common), budget,
-                       f"ZeRO stage {stage}" if stage else "data parallel", num_devices)
-               for shard, stage in sharding.STAGES.items()]
-    pipeline = _pipeline_option(variables, budget, num_devices, **common)
-    notes = []
-    if pipeline:
-        options.append(pipeline)
-    else:
-        notes.append(f"No pipeline: its number of stages must divide the devices "
-                     f"({num_devices}), and be at least 2 and at most the number of variables"
-                     f"{f' ({len(variables.sizes)})' if variables.sizes else ''}.")
-    if variables.sizes is None and not variables.largest:
-        notes.append("The largest variable is unknown: ZeRO stage 3's gather buffer is counted "
-                     "as 0. Give the variable sizes, or largest_variable.")
-    chosen = next((o for o in options if o.fits), None)
-    return Advice(budget, tuple(options), chosen, tuple(notes))
