@@ -61,6 +61,7 @@ from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.pipeline import profiling
+from tfpar.distribute.pipeline import tensor_parallel as tensor_parallel_lib
 from tfpar.distribute.pipeline import workers as stage_workers
 from tfpar.distribute.pipeline.weight_versions import WeightVersions
 from tfpar.distribute.placement import canonical_device
@@ -186,7 +187,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
                  cluster_resolver=None, connect_timeout_seconds=60.0,
-                 stage_timeout_seconds=120.0, offload_activations=False, shard=None):
+                 stage_timeout_seconds=120.0, offload_activations=False, shard=None,
+                 tensor_parallel=1, layout_map=None):
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         if not isinstance(remat, bool):
@@ -215,7 +217,21 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._workers = stage_workers.of_devices(resolved)
         if self._workers is not None:
             self._workers.check_replicas(resolved, num_replicas)
-        num_stages = _stage_count(len(resolved), num_replicas, num_stages)
+        _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
+                               self._workers, shard=shard, schedule=schedule, remat=remat,
+                               balance_by=balance_by, virtual_stages=virtual_stages)
+        self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
+        # The stages' devices: R x K x T, replica-major, then stage, then the model axis.
+        tp_grid = [resolved[i:i + tensor_parallel]
+                   for i in range(0, len(resolved), tensor_parallel)]
+        firsts = [row[0] for row in tp_grid]
+        num_stages = _stage_count(len(firsts), num_replicas, num_stages)
+        if layout_map is not None:
+            tensor_parallel_lib.check_layout_map(layout_map, tensor_parallel, num_stages,
+                                                 num_replicas)
+        self._tp_grid = tuple(tuple(tuple(tp_grid[r * num_stages + s])
+                                    for s in range(num_stages))
+                              for r in range(num_replicas))
         _check_shard(shard, num_replicas, self._workers, schedule, balance_by)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
@@ -224,13 +240,14 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
                                if balance_by == "time" else None)
         self._micro_batch_rows = None  # Timing's micro-batch: the first batch's, else 32.
-        self._grid = tuple(resolved[r * num_stages:(r + 1) * num_stages]
+        self._grid = tuple(firsts[r * num_stages:(r + 1) * num_stages]
                            for r in range(num_replicas))
         given = [devices] if isinstance(devices, str) else (
             list(devices) if devices is not None else devices_lib.default_devices())
         self._display = dict(zip(resolved, given))
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
+        self._tp_substitutes = {}  # id(split variable) -> its shards.
         # Read by MirroredExtended.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
@@ -254,7 +271,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
                 f"remat={self._remat}, "
                 f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
-                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''})")
+                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''}"
+                f"{f', tensor_parallel={self._tensor_parallel}' if self._tensor_parallel > 1 else ''})")
 
     @property
     def num_stages(self):
@@ -275,6 +293,17 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def stage_devices(self):
         """`stage_devices[r][s]`: the device of stage s in pipeline replica r (canonical)."""
         return self._grid
+
+    @property
+    def tensor_parallel(self):
+        """T, the devices each stage is split over (1: no tensor parallelism)."""
+        return self._tensor_parallel
+
+    @property
+    def tensor_parallel_devices(self):
+        """`tensor_parallel_devices[r][s]`: the T devices of stage s in pipeline replica r
+        (canonical); the first is `stage_devices[r][s]`."""
+        return self._tp_grid
 
     def chunk_devices(self, replica=0):
         """The device of each model chunk in pipeline replica `replica` (one chunk per
@@ -304,6 +333,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         (shard="parameters"): the stage's variables a device reads from other owners, all
         kept from the forward to the backward pass. `optimizer`: the one a custom loop
         trains with (default: the compiled one)."""
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                "memory_report does not measure a tensor-parallel pipeline yet (its split "
+                "variables are shards on the stages' T devices).")
         self._place(model)
         devices = [d for row in self._grid for d in row]
         stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
@@ -430,7 +463,14 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             program = pipeline_stages.build_program(
                 model, self._schedule.num_chunks,
                 self._time_layer if self._balance_by == "time" else None)
+            planned = (tensor_parallel_lib.plan_layers(program, self._layout_map,
+                                                       self._tensor_parallel)
+                       if self._tensor_parallel > 1 else {})  # Refusals, before any storage.
             with tf.init_scope(), self._creating_variables():
+                if planned:
+                    program.stages = tensor_parallel_lib.split_program(
+                        program, planned, self._shard_homes, self._split_devices)
+                    self._tp_substitutes.update(program.substitutes)
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
                     for variable in stage.placed_variables:
@@ -443,6 +483,26 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
             mark_placed(self, model)
+
+    def _shard_homes(self, chunk):
+        """For each of chunk's T devices, its device in every replica."""
+        rank = self._schedule.rank_of(chunk)
+        return [[row[rank][t] for row in self._tp_grid] for t in range(self._tensor_parallel)]
+
+    def _split_devices(self, chunk):
+        """(This replica's T devices of `chunk`, how their reductions run); asked while a
+        step is built."""
+        devices = self._tp_grid[replica_id()][self._schedule.rank_of(chunk)]
+        return devices, tensor_parallel_lib.communication_of(devices)
+
+    def _tfpar_optimizer_variables(self, variables):
+        # Asked by the Keras seam when an optimizer is built: split variables are trained
+        # as their shards (placing their model first, which makes them).
+        if self._tensor_parallel == 1:
+            return variables
+        for variable in variables:
+            self._tfpar_first_use(variable)  # (Nothing unless it is pending.)
+        return [s for v in variables for s in self._tp_substitutes.get(id(v), (v,))]
 
     def _time_layer(self, layer, first):
         """Seconds of `layer`'s forward and backward on one micro-batch (with the input
@@ -499,7 +559,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             with tf.control_dependencies(pipeline_exec.tensors_of(grads)):
                 versions.use_current()
         if model.trainable_weights:
-            model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+            model.optimizer.apply_gradients(zip(
+                grads, model._tfpar_pipeline.optimizer_variables(model.trainable_weights)))
         if versions is not None:
             versions.mark_saved(model.optimizer.iterations)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -602,6 +663,50 @@ def _check_shard(shard, num_replicas, workers, schedule, balance_by):
             "shard='parameters' makes each variable on its owner's stage device when the "
             "model is placed; balance_by='time' times layers before that, on another "
             "device. Use balance_by='params' or tfpar.layers.StageBoundary markers.")
+
+
+def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replicas, workers,
+                           **others):
+    """Refuses tensor parallelism that is not asked for clearly, or that is combined with
+    what it does not run with yet."""
+    if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
+            or tensor_parallel < 1):
+        raise ValueError(f"tensor_parallel must be an integer >= 1 (the devices each stage is "
+                         f"split over). Received: tensor_parallel={tensor_parallel!r}")
+    if tensor_parallel == 1:
+        if layout_map is not None:
+            raise ValueError(
+                "layout_map says how each stage's layers are split over its "
+                "tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
+                "Pass tensor_parallel=T (e.g. 2), or drop layout_map.")
+        return
+    if layout_map is None:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} needs a layout_map saying which layers to "
+            f"split, e.g. layout_map['.*mlp_in/kernel'] = (None, 'model') (column) and "
+            f"layout_map['.*mlp_out/kernel'] = ('model', None) (row).")
+    if num_devices % tensor_parallel:
+        raise DeviceError(
+            f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
+            f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
+    unsupported = {
+        "num_replicas": (num_replicas != 1, "pipeline replicas"),
+        "cluster_resolver": (workers is not None, "stages on other processes"),
+        "shard": (bool(others["shard"]), "ZeRO"),
+        "remat": (others["remat"], "remat"),
+        "virtual_stages": (others["virtual_stages"] != 1, "interleaved stages"),
+        "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
+        "schedule": ((others["schedule"].name if isinstance(others["schedule"],
+                                                            schedule_lib.Schedule)
+                      else others["schedule"]) not in ("gpipe", "1f1b"),
+                     "schedules other than 'gpipe' and '1f1b'"),
+    }
+    for name, (given, what) in unsupported.items():
+        if given:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not run with {what} yet ({name}="
+                f"{others.get(name, num_replicas if name == 'num_replicas' else '...')!r}): "
+                f"drop {name}, or tensor_parallel.")
 
 
 def _check_offload(offload, remat):
