@@ -91,9 +91,10 @@ def _key_of(layout_map, path):
     layout = layout_map[path]
     if layout is None:
         return None, None
-    if path in layout_map:
+    keys = list(layout_map)  # (A Mapping's `in` would match patterns too.)
+    if path in keys:
         return path, layout
-    return next(k for k in layout_map if re.fullmatch(k, path)), layout
+    return next(k for k in keys if re.fullmatch(k, path)), layout
 
 
 def _is_plain_dense(layer):
