@@ -89,6 +89,45 @@ def sharded_storage(variable):
     return value if isinstance(value, ShardedStorage) else None
 
 
+def is_layout_map(value):
+    import keras
+
+    return isinstance(value, keras.distribution.LayoutMap)
+
+
+def is_plain_dense(layer):
+    """A keras Dense layer whose class keeps Dense's own call."""
+    import keras
+
+    return isinstance(layer, keras.layers.Dense) and type(layer).call is keras.layers.Dense.call
+
+
+def shard_variable(variable, part, index):
+    """A Keras variable holding `part` of `variable` (shard `index`), made where the
+    strategy's `variable_home` in effect says."""
+    import keras
+
+    return keras.Variable(part, dtype=variable.dtype, trainable=variable.trainable,
+                          name=f"{variable.name}_shard{index}")
+
+
+def column_shard(layer, kernel, bias, x):
+    """A column shard of Dense `layer`'s call: activation(x @ kernel + bias)."""
+    import keras
+
+    y = keras.ops.matmul(x, kernel)
+    if bias is not None:
+        y = keras.ops.add(y, bias)
+    return layer.activation(y) if layer.activation is not None else y
+
+
+def row_shard(kernel, x):
+    """A row shard's partial product of a Dense layer: x_t @ kernel_t."""
+    import keras
+
+    return keras.ops.matmul(x, kernel)
+
+
 def refusal(layer):
     """Why a layer's call cannot be split (what Keras' `__call__` or `call` would do that a
     split call does not), or None."""

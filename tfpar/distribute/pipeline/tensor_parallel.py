@@ -65,9 +65,7 @@ class Split:
 
 def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
     """Refuses a layout map that is not one, or whose device mesh says other degrees."""
-    import keras
-
-    if not isinstance(layout_map, keras.distribution.LayoutMap):
+    if not keras_tp.is_layout_map(layout_map):
         raise ValueError(f"layout_map must be a keras.distribution.LayoutMap (keys: variable "
                          f"path patterns, values: layouts such as (None, 'model')). Received: "
                          f"{type(layout_map).__name__}")
@@ -95,12 +93,6 @@ def _key_of(layout_map, path):
     if path in keys:
         return path, layout
     return next(k for k in keys if re.fullmatch(k, path)), layout
-
-
-def _is_plain_dense(layer):
-    import keras
-
-    return isinstance(layer, keras.layers.Dense) and type(layer).call is keras.layers.Dense.call
 
 
 def plan_layers(program, layout_map, tensor_parallel):
@@ -144,7 +136,7 @@ def _plan_layer(layer, layout_map, t):
     if not layouts:
         return None
     first_key = next(iter(layouts.values()))[1]
-    if not _is_plain_dense(layer):
+    if not keras_tp.is_plain_dense(layer):
         raise PlacementError(
             f"The layout map's key {first_key!r} splits a weight of layer {layer.name!r} "
             f"({type(layer).__name__}) over {MODEL_AXIS!r}, but a tensor-parallel pipeline "
@@ -238,21 +230,6 @@ def sum_of_shards(parts, devices, communication):
     return total(*parts)
 
 
-def _column_shard(layer, kernel, bias, x):
-    import keras
-
-    y = keras.ops.matmul(x, kernel)
-    if bias is not None:
-        y = keras.ops.add(y, bias)
-    return layer.activation(y) if layer.activation is not None else y
-
-
-def _row_shard(kernel, x):
-    import keras
-
-    return keras.ops.matmul(x, kernel)
-
-
 def _input_of(args, kwargs):
     return args[0] if args else kwargs["inputs"]
 
@@ -269,7 +246,7 @@ def column_call(split, shards, stage_devices, keep_split):
             with tf.device(devices[0]):
                 x = tf.concat(x.parts, -1, name=GATHER)
         copies = copy_to_shards(x, devices, communication)
-        parts = [placed_call(functools.partial(_column_shard, split.layer, k, b), d, c)
+        parts = [placed_call(functools.partial(keras_tp.column_shard, split.layer, k, b), d, c)
                  for k, b, d, c in zip(kernels, biases, devices, copies)]
         if keep_split:
             return Split(parts)
@@ -294,7 +271,7 @@ def row_call(split, shards, stage_devices):
             for part, device in zip(tf.split(x, len(devices), -1), devices):
                 with tf.device(device):
                     slices.append(tf.identity(part))
-        partials = [placed_call(functools.partial(_row_shard, k), d, s)
+        partials = [placed_call(functools.partial(keras_tp.row_shard, k), d, s)
                     for k, d, s in zip(kernels, devices, slices)]
         y = sum_of_shards(partials, devices, communication)
         with tf.device(devices[0]):
@@ -322,14 +299,11 @@ def _sole_consumer(node, program, stage):
 def make_shards(variable, axis, homes, whole_device):
     """Keeps `variable` as len(homes) shards along `axis`, shard t with its copies on
     `homes[t]` (one device per replica); returns the shards (Keras variables)."""
-    import keras
-
     value = keras_tp.initial_value(variable)
     shards = []
     for t, (part, home) in enumerate(zip(tf.split(value, len(homes), axis), homes)):
         with variable_birth.variable_home(home):
-            shards.append(keras.Variable(part, dtype=variable.dtype, trainable=variable.trainable,
-                                         name=f"{variable.name}_shard{t}"))
+            shards.append(keras_tp.shard_variable(variable, part, t))
     keras_tp.store_as_shards(variable, keras_tp.ShardedStorage(
         shards, axis, variable.shape, variable.dtype, whole_device))
     return tuple(shards)
