@@ -141,6 +141,15 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         Across processes R must be 1. A stage worker that dies ends `fit`, `evaluate` or
         `predict` with a `ClusterError` naming it; rerun with
         `keras.callbacks.BackupAndRestore` to resume.
+      tensor_parallel: T, the devices each stage is split over (Megatron's tensor
+        parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
+        devices are then K x T, stage-major: stage s on devices[s*T:(s+1)*T]. Needs
+        `layout_map`; not yet with num_replicas > 1, cluster_resolver, shard, remat,
+        virtual_stages, balance_by="time" or schedules other than "gpipe" and "1f1b".
+      layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
+        `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
+        by columns (its bias follows), ("model", None) by rows. Its device mesh, if any,
+        must agree on the "data", "pipe" and "model" axes' sizes (R, K, T).
       connect_timeout_seconds: how long the workers get to start listening.
       stage_timeout_seconds: with stages on other processes, how long a stage worker may
         stay silent (its gRPC server not answering: stopped, hung, or cut off) during
@@ -156,6 +165,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         is not its chief.
       ClusterError: with `cluster_resolver`, a worker does not listen within
         `connect_timeout_seconds`.
+      ValueError: `layout_map` without `tensor_parallel` > 1 or the reverse, a layout map
+        whose mesh disagrees with R, K or T, or tensor parallelism with what it does not
+        run with yet. (A layout it cannot run is a PlacementError when the model is placed,
+        naming the layer and the key.)
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -166,6 +179,27 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
       ...     model.compile("sgd", "mse")
       >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
       >>> print(strategy.schedule_table())  # doctest: +SKIP
+
+      Two stages, each split over 2 devices (a Megatron MLP per stage):
+
+      >>> layout_map = keras.distribution.LayoutMap(None)
+      >>> layout_map[".*mlp_in/kernel"] = (None, "model")   # column
+      >>> layout_map[".*mlp_out/kernel"] = ("model", None)  # row
+      >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
+      ...                                   num_stages=2, tensor_parallel=2,
+      ...                                   layout_map=layout_map, num_micro_batches=2)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([
+      ...         keras.Input((4,)), keras.layers.Dense(8, name="embed"),
+      ...         keras.layers.Dense(32, activation="relu", name="mlp_in"),
+      ...         keras.layers.Dense(8, name="mlp_out"), tfpar.layers.StageBoundary(name="cut"),
+      ...         keras.layers.Dense(3, name="head")])
+      ...     model.compile("adam", "mse")
+      >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
+      >>> strategy.stages(model)
+      [['embed', 'mlp_in', 'mlp_out'], ['cut', 'head']]
+      >>> [tuple(w.shape) for w in model.get_layer("mlp_in").weights]  # Whole, for Keras.
+      [(8, 32), (32,)]
 
       One stage per worker process (`tfpar launch --workers 2 --coordinator -- python
       train.py`, train.py running on the chief):
@@ -591,6 +625,12 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
             or models.any_symbolic_tensors((inputs,))):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
+    if strategy.tensor_parallel > 1 and tf_runtime.tape_recording():
+        raise ValueError(
+            f"{model.name!r} was called under a GradientTape (a custom training loop) on a "
+            f"tensor-parallel pipeline, which trains its split layers' shards, not the "
+            f"whole variables a custom loop would differentiate. Train it with model.fit "
+            f"(or train_on_batch), or use tensor_parallel=1 for custom loops.")
     replica = replica_id()
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
                                  strategy.num_micro_batches, inputs, training)
