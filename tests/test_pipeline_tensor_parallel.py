@@ -5,6 +5,10 @@ in the traced step), checkpoints whole, and what cannot be split refused before 
 step, naming the layer and the key."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -223,6 +227,21 @@ def test_a_column_layer_read_by_an_unsplit_one_and_a_row_layer_of_a_whole_input(
     assert len([op for op in ops if tp.GATHER in op.name and op.type == "ConcatV2"]) == M
 
 
+def test_two_replicas_of_the_split_pipeline_train_as_one_device():
+    # R=2 x K=2 x T=2 needs 8 devices: a process of its own.
+    worker = os.path.join(os.path.dirname(__file__), "workers", "pipeline_tp_replicas.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    done = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["difference"] < 1e-5, result
+    # Replica r's shard t of stage 0 on /cpu:(4r + t); the copies took the same update.
+    assert result["devices"] == [[0, 4], [1, 5]] and result["copies_equal"], result
+
+
 def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     gpus = ["/job:localhost/replica:0/task:0/device:GPU:0",
             "/job:localhost/replica:0/task:0/device:GPU:1"]
@@ -253,7 +272,7 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="'pipe' of size 2.*num_stages=1"):
         tfpar.PipelineStrategy(cpus(2), num_stages=1, tensor_parallel=2,
                                layout_map=megatron_layout(mesh))
-    for kwargs, name in (({"num_replicas": 2}, "num_replicas"), ({"remat": True}, "remat"),
+    for kwargs, name in (({"shard": "optimizer"}, "shard"), ({"remat": True}, "remat"),
                          ({"schedule": "zero_bubble_h1"}, "schedule")):
         with pytest.raises(ValueError, match=f"does not run with .*{name}"):
             tfpar.PipelineStrategy(cpus(4), tensor_parallel=2, layout_map=layout_map,

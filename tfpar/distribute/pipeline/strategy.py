@@ -143,9 +143,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         `keras.callbacks.BackupAndRestore` to resume.
       tensor_parallel: T, the devices each stage is split over (Megatron's tensor
         parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
-        devices are then K x T, stage-major: stage s on devices[s*T:(s+1)*T]. Needs
-        `layout_map`; not yet with num_replicas > 1, cluster_resolver, shard, remat,
-        virtual_stages, balance_by="time" or schedules other than "gpipe" and "1f1b".
+        devices are then R x K x T, replica-major, then stage: stage s of replica r on
+        devices[(r*K + s)*T:][:T]. Needs `layout_map`; not yet with cluster_resolver,
+        shard, remat, virtual_stages, balance_by="time" or schedules other than "gpipe"
+        and "1f1b".
       layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
         `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
         by columns (its bias follows), ("model", None) by rows. Its device mesh, if any,
@@ -284,7 +285,12 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._tp_substitutes = {}  # id(split variable) -> its shards.
         # Read by MirroredExtended.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
-        super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
+        # A shard's copies live on one device of its stage in each replica: each of a
+        # stage's T devices has its own reduction across the replicas.
+        reduction_grid = (tuple(tuple(d for stage in row for d in stage) for row in self._tp_grid)
+                          if tensor_parallel > 1 else None)
+        super(tf.distribute.MirroredStrategy, self).__init__(
+            _PipelineExtended(self, self._grid, reduction_grid))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
         self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
@@ -730,7 +736,6 @@ def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replica
             f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
             f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
     unsupported = {
-        "num_replicas": (num_replicas != 1, "pipeline replicas"),
         "cluster_resolver": (workers is not None, "stages on other processes"),
         "shard": (bool(others["shard"]), "ZeRO"),
         "remat": (others["remat"], "remat"),
@@ -745,7 +750,7 @@ def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replica
         if given:
             raise ValueError(
                 f"tensor_parallel={tensor_parallel} does not run with {what} yet ({name}="
-                f"{others.get(name, num_replicas if name == 'num_replicas' else '...')!r}): "
+                f"{others[name]!r}): "
                 f"drop {name}, or tensor_parallel.")
 
 
@@ -795,8 +800,9 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
     are reduced by that stage's cross-device ops.
     """
 
-    def __init__(self, container_strategy, grid):
+    def __init__(self, container_strategy, grid, reduction_grid=None):
         self._grid = grid
+        self._reduction_grid = reduction_grid or grid
         super().__init__(container_strategy, devices=[row[0] for row in grid])
 
     def _initialize_strategy(self, devices):
@@ -804,6 +810,9 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
         reductions = stage_reductions(self._grid, tf_runtime.collective_keys(self))
         self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
         self._stage_ops = {r.devices: r.ops for r in reductions}
+        if self._reduction_grid is not self._grid:  # Tensor parallelism: one per device.
+            self._stage_ops.update({r.devices: r.ops for r in stage_reductions(
+                self._reduction_grid, tf_runtime.collective_keys(self))})
         # Stage 0's devices are the replicas'.
         tf_runtime.set_cross_device_ops(self, reductions[0].ops)
 
