@@ -279,6 +279,14 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
                                    **kwargs)
 
 
+def test_memory_is_not_planned_or_reported_yet():
+    strategy, model = _trained("adam", "1f1b")
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        tfpar.plan.estimate_memory(model, strategy)
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        strategy.memory_report(model)
+
+
 def _placed(layers, layout):
     strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=1, tensor_parallel=2,
                                       layout_map=layout)

@@ -359,6 +359,12 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def _tfpar_memory_config(self, optimizer_slots=2):
         # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
         # stages: the model's own cut when its layers weigh alike).
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                f"tfpar.plan.estimate_memory does not plan a tensor-parallel pipeline yet "
+                f"(tensor_parallel={self._tensor_parallel}: its split layers' bytes are "
+                f"divided over each stage's devices, the rest is not). Estimate the pipeline "
+                f"without it and divide the split layers' share by {self._tensor_parallel}.")
         return plan_memory.MemoryConfig(
             "pipeline", self.num_stages, shard=self.shard, optimizer_slots=optimizer_slots,
             num_replicas=len(self._grid), reshard_after_forward=False)
