@@ -153,8 +153,9 @@ def test_each_shard_lives_on_its_own_device_with_its_shape():
     assert not [v for v in model.optimizer.variables if tuple(v.shape) == (H, 4 * H)]
 
 
-def _traced_step(strategy, model):
-    x, y = _data(BATCH)
+def _traced_step(strategy, model, x=None):
+    y = _data(BATCH)[1]
+    x = _data(BATCH)[0] if x is None else x
 
     @tf.function
     def step(x, y):
@@ -242,6 +243,50 @@ def test_two_replicas_of_the_split_pipeline_train_as_one_device():
     assert result["devices"] == [[0, 4], [1, 5]] and result["copies_equal"], result
 
 
+def einsum_mlp(seed=0):
+    """Sequences through an EinsumDense Megatron pair (column over d, row over d)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((5, INPUTS)),
+        keras.layers.EinsumDense("abc,cd->abd", (5, 4 * H), bias_axes="d",
+                                 activation="relu", name="ein_in"),
+        keras.layers.EinsumDense("abd,de->abe", (5, H), bias_axes="e", name="ein_out"),
+        keras.layers.Flatten(name="flat"),
+        keras.layers.Dense(OUTPUTS, name="head"),
+    ])
+
+
+def einsum_layout():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[".*ein_in/kernel"] = (None, "model")
+    layout_map[".*ein_out/kernel"] = ("model", None)
+    return layout_map
+
+
+def test_an_einsum_dense_megatron_pair_trains_as_one_device():
+    x = np.random.default_rng(1).normal(size=(32, 5, INPUTS)).astype("float32")
+    y = _data(32)[1]
+    want = einsum_mlp()
+    want.compile(_optimizer("adam"), "mse")
+    want.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=M, tensor_parallel=2,
+                                      layout_map=einsum_layout())
+    with strategy.scope():
+        model = einsum_mlp()
+        model.compile(_optimizer("adam"), "mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    column = keras_tp.sharded_storage(model.get_layer("ein_in").kernel).shards
+    bias = keras_tp.sharded_storage(model.get_layer("ein_in").bias).shards
+    row = keras_tp.sharded_storage(model.get_layer("ein_out").kernel).shards
+    assert [tuple(s.shape) for s in column + bias + row] == (
+        [(INPUTS, 2 * H)] * 2 + [(2 * H,)] * 2 + [(2 * H, H)] * 2)
+    ops = _traced_step(strategy, model, x[:BATCH]).get_operations()
+    assert not [op for op in ops if tp.GATHER in op.name]
+    assert len([op for op in ops if tp.FORWARD_REDUCTION in op.name and op.type == "AddN"]) == M
+
+
 def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     gpus = ["/job:localhost/replica:0/task:0/device:GPU:0",
             "/job:localhost/replica:0/task:0/device:GPU:1"]
@@ -309,7 +354,9 @@ def _layout(**entries):
     (lambda: [keras.layers.Dense(5, name="odd")], {".*odd_S_kernel": (None, "model")},
      r"key '\.\*odd/kernel'.*'odd' by output units \(5\) over tensor_parallel=2"),
     (lambda: [keras.layers.EinsumDense("ab,bc->ac", 4, name="ein")],
-     {".*ein_S_kernel": (None, "model")}, r"'ein' \(EinsumDense\)"),
+     {".*ein_S_kernel": ("model", "model")}, r"'ein' the layout \('model', 'model'\)"),
+    (lambda: [keras.layers.Embedding(8, 4, name="emb")],
+     {".*emb_S_embeddings": (None, "model")}, r"'emb' \(Embedding\)"),
     (lambda: [keras.layers.Dense(4, name="d")], {".*d_S_bias": ("model",)},
      r"bias of layer 'd' but not its kernel"),
     (lambda: [keras.layers.Dense(4, name="r")],

@@ -95,11 +95,33 @@ def is_layout_map(value):
     return isinstance(value, keras.distribution.LayoutMap)
 
 
-def is_plain_dense(layer):
-    """A keras Dense layer whose class keeps Dense's own call."""
+def einsum_spec(layer):
+    """(input, kernel, output, bias) einsum specs of a Dense or EinsumDense layer whose
+    class keeps Keras' own call (Dense: "...i", "io", "...o", "o"), or None for any other
+    layer. The bias spec is the output's from its first biased axis (Keras' bias shape)."""
+    import re
+
     import keras
 
-    return isinstance(layer, keras.layers.Dense) and type(layer).call is keras.layers.Dense.call
+    dense, einsum = keras.layers.Dense, keras.layers.EinsumDense
+    if isinstance(layer, dense) and type(layer).call is dense.call:
+        return "...i", "io", "...o", "o"
+    if not (isinstance(layer, einsum) and type(layer).call is einsum.call):
+        return None
+    match = re.fullmatch(r"([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)", layer.equation)
+    if match is None:
+        return None
+    inputs, kernel, outputs = match.groups()
+    letters = bias_letters(layer)
+    bias = outputs[min(outputs.index(c) for c in letters):] if letters else ""
+    return inputs, kernel, outputs, bias
+
+
+def bias_letters(layer):
+    """The output axes a Dense or EinsumDense layer adds its bias along."""
+    if layer.bias is None:
+        return ""
+    return getattr(layer, "bias_axes", None) or "o"
 
 
 def shard_variable(variable, part, index):
@@ -111,21 +133,35 @@ def shard_variable(variable, part, index):
                           name=f"{variable.name}_shard{index}")
 
 
-def column_shard(layer, kernel, bias, x):
-    """A column shard of Dense `layer`'s call: activation(x @ kernel + bias)."""
+def _product(layer, x, kernel):
     import keras
 
-    y = keras.ops.matmul(x, kernel)
+    if isinstance(layer, keras.layers.EinsumDense):
+        return keras.ops.einsum(layer.equation, x, kernel)
+    return keras.ops.matmul(x, kernel)
+
+
+def column_shard(layer, kernel, bias, x):
+    """A column shard of a Dense or EinsumDense `layer`'s call: its product of x with a
+    kernel shard, plus `bias` (a shard, or the whole bias when it has no split axis), then
+    the activation."""
+    return bias_and_activation(layer, _product(layer, x, kernel), bias)
+
+
+def row_shard(layer, kernel, x):
+    """A row shard's partial product: the layer's product of an input slice and a kernel
+    shard."""
+    return _product(layer, x, kernel)
+
+
+def bias_and_activation(layer, y, bias=None):
+    """y + bias (the layer's own by default), then the layer's activation."""
+    import keras
+
+    bias = layer.bias if bias is None else bias
     if bias is not None:
         y = keras.ops.add(y, bias)
     return layer.activation(y) if layer.activation is not None else y
-
-
-def row_shard(kernel, x):
-    """A row shard's partial product of a Dense layer: x_t @ kernel_t."""
-    import keras
-
-    return keras.ops.matmul(x, kernel)
 
 
 def refusal(layer):

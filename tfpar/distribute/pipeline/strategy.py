@@ -149,7 +149,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         and "1f1b".
       layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
         `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
-        by columns (its bias follows), ("model", None) by rows. Its device mesh, if any,
+        by columns (its bias follows), ("model", None) by rows; an EinsumDense kernel by
+        columns along a split output axis, by rows along a split contracted one. Its device mesh, if any,
         must agree on the "data", "pipe" and "model" axes' sizes (R, K, T).
       connect_timeout_seconds: how long the workers get to start listening.
       stage_timeout_seconds: with stages on other processes, how long a stage worker may

@@ -3,7 +3,8 @@
 Each stage of a `PipelineStrategy(tensor_parallel=T, layout_map=...)` runs on T devices.
 The user's `keras.distribution.LayoutMap` (the keys a user writes for
 `keras.distribution.ModelParallel`) says which `Dense` layers are split over the stage's
-"model" axis:
+"model" axis (and `EinsumDense` layers alike: column when the split kernel axis is an output
+axis of the equation, row when it is contracted):
 
 - *column* (kernel layout `(None, "model")`): the kernel (in, out) and bias are kept as T
   shards of out / T columns, shard t on the stage's device t, which computes
@@ -54,13 +55,20 @@ class SplitLayer:
     kind: str
     key: str  # The LayoutMap key that matched its kernel.
     split_variables: tuple  # (variable, axis) kept as shards.
+    out_axis: object = None  # COLUMN: the output axis split (negative: from the end).
+    in_axis: object = None  # ROW: the input axis split (negative).
+
+    @property
+    def bias_split(self):
+        return len(self.split_variables) > 1
 
 
 class Split:
-    """An activation left split along its last axis, one slice per device of the stage."""
+    """An activation left split along `axis`, one slice per device of the stage."""
 
-    def __init__(self, parts):
+    def __init__(self, parts, axis):
         self.parts = list(parts)
+        self.axis = axis
 
 
 def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
@@ -117,6 +125,13 @@ def plan_layers(program, layout_map, tensor_parallel):
     return planned
 
 
+def _from_end(spec, letter):
+    """The (negative) axis of `letter` in an einsum operand spec, counted from its end; None
+    when it is not there or stands before an ellipsis."""
+    tail = spec.split("...")[-1]
+    return tail.index(letter) - len(tail) if letter in tail else None
+
+
 def _plan_layer(layer, layout_map, t):
     layouts = {}
     for variable in layer.weights:
@@ -136,16 +151,19 @@ def _plan_layer(layer, layout_map, t):
     if not layouts:
         return None
     first_key = next(iter(layouts.values()))[1]
-    if not keras_tp.is_plain_dense(layer):
+    spec = keras_tp.einsum_spec(layer)
+    if spec is None:
         raise PlacementError(
             f"The layout map's key {first_key!r} splits a weight of layer {layer.name!r} "
             f"({type(layer).__name__}) over {MODEL_AXIS!r}, but a tensor-parallel pipeline "
-            f"splits Dense layers only (column: kernel (None, {MODEL_AXIS!r}); row: kernel "
+            f"splits Dense and EinsumDense layers only (column: a kernel axis that is an "
+            f"output axis, e.g. (None, {MODEL_AXIS!r}) for Dense; row: a contracted one, "
             f"({MODEL_AXIS!r}, None)). Drop that layout, or use keras.layers.Dense there.")
     why = keras_tp.refusal(layer)
     if why:
         raise PlacementError(f"Layer {layer.name!r} cannot be split by the layout map (key "
                              f"{first_key!r}): {why}. Drop its layout, or that setting.")
+    inputs, kernel_spec, outputs, bias_spec = spec
     kernel, bias = layer.kernel, layer.bias
     if id(kernel) not in layouts:
         _, key, _ = layouts[id(bias)]
@@ -153,29 +171,43 @@ def _plan_layer(layer, layout_map, t):
             f"The layout map's key {key!r} splits the bias of layer {layer.name!r} but not its "
             f"kernel: split the kernel, (None, {MODEL_AXIS!r}), and its bias follows.")
     _, key, axes = layouts[id(kernel)]
-    if axes == (None, MODEL_AXIS):
-        kind, size, what = COLUMN, kernel.shape[1], "output units"
-    elif axes == (MODEL_AXIS, None):
-        kind, size, what = ROW, kernel.shape[0], "input features"
-    else:
+    split_at = [i for i, a in enumerate(axes) if a == MODEL_AXIS]
+    letter = kernel_spec[split_at[0]] if len(axes) == len(kernel_spec) else None
+    out_axis = in_axis = None
+    if letter is not None and len(split_at) == 1:
+        if letter in outputs and letter not in inputs:
+            out_axis = _from_end(outputs, letter)
+        elif letter in inputs and letter not in outputs:
+            in_axis = _from_end(inputs, letter)
+    if out_axis is None and in_axis is None:
         raise PlacementError(
-            f"The layout map's key {key!r} gives the kernel of Dense layer {layer.name!r} the "
-            f"layout {axes}: a tensor-parallel pipeline runs (None, {MODEL_AXIS!r}) (column) "
-            f"or ({MODEL_AXIS!r}, None) (row) for a Dense kernel.")
+            f"The layout map's key {key!r} gives the kernel of {type(layer).__name__} layer "
+            f"{layer.name!r} the layout {axes}: a tensor-parallel pipeline splits one kernel "
+            f"axis over {MODEL_AXIS!r}, one that is an output axis (column: (None, "
+            f"{MODEL_AXIS!r}) for Dense) or a contracted input axis (row: ({MODEL_AXIS!r}, "
+            f"None)), after any '...'.")
+    kind, what = (COLUMN, "output units") if out_axis is not None else (ROW, "input features")
+    size = kernel.shape[split_at[0]]
     if size % t:
         raise PlacementError(
-            f"The layout map's key {key!r} splits Dense layer {layer.name!r} by {what} "
-            f"({size}) over tensor_parallel={t} devices, which does not divide them. Use a "
-            f"tensor_parallel that divides {size}, or other units.")
-    if bias is not None and id(bias) in layouts and kind == ROW:
+            f"The layout map's key {key!r} splits {type(layer).__name__} layer "
+            f"{layer.name!r} by {what} ({size}) over tensor_parallel={t} devices, which does "
+            f"not divide them. Use a tensor_parallel that divides {size}, or other units.")
+    bias_layout = layouts.get(id(bias)) if bias is not None else None
+    if bias_layout is not None and kind == ROW:
         raise PlacementError(
-            f"The layout map's key {layouts[id(bias)][1]!r} splits the bias of Dense layer "
-            f"{layer.name!r}, a row layer (kernel ({MODEL_AXIS!r}, None)) whose bias is added "
-            f"once, after the partial products are summed. Drop the bias layout.")
-    split = [(kernel, 1 if kind == COLUMN else 0)]
-    if kind == COLUMN and bias is not None:
-        split.append((bias, 0))
-    return SplitLayer(layer, kind, key, tuple(split))
+            f"The layout map's key {bias_layout[1]!r} splits the bias of layer "
+            f"{layer.name!r}, a row layer (its kernel split along a contracted axis) whose "
+            f"bias is added once, after the partial products are summed. Drop the bias "
+            f"layout.")
+    split = [(kernel, split_at[0])]
+    if kind == COLUMN and bias is not None and letter in keras_tp.bias_letters(layer):
+        split.append((bias, bias_spec.index(letter)))
+    elif bias_layout is not None:
+        raise PlacementError(
+            f"The layout map's key {bias_layout[1]!r} splits the bias of layer "
+            f"{layer.name!r}, which has no {letter!r} axis to split: drop the bias layout.")
+    return SplitLayer(layer, kind, key, tuple(split), out_axis, in_axis)
 
 
 def communication_of(devices):
@@ -234,24 +266,26 @@ def _input_of(args, kwargs):
     return args[0] if args else kwargs["inputs"]
 
 
+def _gathered(split_value, devices):
+    with tf.device(devices[0]):
+        return tf.concat(split_value.parts, split_value.axis, name=GATHER)
+
+
 def column_call(split, shards, stage_devices, keep_split):
     """The call of a column layer: a `Split` of its output when `keep_split`."""
-    kernels, biases = shards[0], shards[1] if len(shards) > 1 else [None] * len(shards[0])
+    layer, kernels = split.layer, shards[0]
+    biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
 
     def call(args, kwargs, training):
         del training
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
         if isinstance(x, Split):
-            with tf.device(devices[0]):
-                x = tf.concat(x.parts, -1, name=GATHER)
+            x = _gathered(x, devices)
         copies = copy_to_shards(x, devices, communication)
-        parts = [placed_call(functools.partial(keras_tp.column_shard, split.layer, k, b), d, c)
-                 for k, b, d, c in zip(kernels, biases, devices, copies)]
-        if keep_split:
-            return Split(parts)
-        with tf.device(devices[0]):
-            return tf.concat(parts, -1, name=GATHER)
+        parts = Split([placed_call(functools.partial(keras_tp.column_shard, layer, k, b), d, c)
+                       for k, b, d, c in zip(kernels, biases, devices, copies)], split.out_axis)
+        return parts if keep_split else _gathered(parts, devices)
 
     return call
 
@@ -264,20 +298,20 @@ def row_call(split, shards, stage_devices):
         del training
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
-        if isinstance(x, Split):
+        if isinstance(x, Split) and x.axis == split.in_axis:
             slices = x.parts
         else:
+            if isinstance(x, Split):
+                x = _gathered(x, devices)
             slices = []
-            for part, device in zip(tf.split(x, len(devices), -1), devices):
+            for part, device in zip(tf.split(x, len(devices), split.in_axis), devices):
                 with tf.device(device):
                     slices.append(tf.identity(part))
-        partials = [placed_call(functools.partial(keras_tp.row_shard, k), d, s)
+        partials = [placed_call(functools.partial(keras_tp.row_shard, layer, k), d, s)
                     for k, d, s in zip(kernels, devices, slices)]
         y = sum_of_shards(partials, devices, communication)
         with tf.device(devices[0]):
-            if layer.bias is not None:
-                y = y + tf.convert_to_tensor(layer.bias)
-            return layer.activation(y) if layer.activation is not None else y
+            return keras_tp.bias_and_activation(layer, y)
 
     return call
 
@@ -333,8 +367,9 @@ def split_program(program, planned, shard_homes, stage_devices):
             devices = functools.partial(stage_devices, stage.index)
             if split.kind == COLUMN:
                 reader = _sole_consumer(node, program, stage)
-                keep = (reader is not None
-                        and getattr(planned.get(id(reader.operation)), "kind", None) == ROW)
+                read_by = planned.get(id(reader.operation)) if reader is not None else None
+                keep = (read_by is not None and read_by.kind == ROW
+                        and read_by.in_axis == split.out_axis)
                 program.calls[id(node)] = column_call(split, shards, devices, keep)
             else:
                 program.calls[id(node)] = row_call(split, shards, devices)
