@@ -67,10 +67,11 @@ def _strategy(schedule="1f1b", layout_map=None, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def _trained(optimizer, schedule, make=megatron_mlp, layout=megatron_layout, epochs=2):
+def _trained(optimizer, schedule, make=megatron_mlp, layout=megatron_layout, epochs=2,
+             **kwargs):
     """(strategy, model) after `epochs` epochs of 4 steps; schedule None: one device."""
     x, y = _data()
-    strategy = None if schedule is None else _strategy(schedule, layout())
+    strategy = None if schedule is None else _strategy(schedule, layout(), **kwargs)
     if strategy is None:
         model = make()
         model.compile(_optimizer(optimizer), "mse")
@@ -102,6 +103,22 @@ def test_megatron_mlp_trains_as_one_device_with_gpipe_and_1f1b(optimizer):
         x, y = _data(16)
         np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
                                    want.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule, kwargs", [
+    ("gpipe", {"remat": True, "offload_activations": True}),
+    ("zero_bubble_h1", {}),
+    ("interleaved_1f1b", {"virtual_stages": 2}),
+])
+def test_remat_offload_zero_bubble_and_interleaved_stages_train_as_one_device(schedule, kwargs):
+    _, want = _trained("adam", None)
+    strategy, model = _trained("adam", schedule, **kwargs)
+    _check_equal(model, want, (schedule, kwargs))
+    if "virtual_stages" in kwargs:  # Chunk c on stage c % 2: its shards on that stage's CPUs.
+        assert strategy.stages(model)[1] == ["mlp_out_0"]
+        shards = keras_tp.sharded_storage(model.get_layer("mlp_out_0").kernel).shards
+        with strategy.scope():
+            assert [_device_index(_copies(s)[0].device) for s in shards] == [2, 3]
 
 
 def _device_index(device):
@@ -317,8 +334,8 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="'pipe' of size 2.*num_stages=1"):
         tfpar.PipelineStrategy(cpus(2), num_stages=1, tensor_parallel=2,
                                layout_map=megatron_layout(mesh))
-    for kwargs, name in (({"shard": "optimizer"}, "shard"), ({"remat": True}, "remat"),
-                         ({"schedule": "zero_bubble_h1"}, "schedule")):
+    for kwargs, name in (({"shard": "optimizer"}, "shard"), ({"balance_by": "time"}, "balance_by"),
+                         ({"schedule": "2bw"}, "schedule")):
         with pytest.raises(ValueError, match=f"does not run with .*{name}"):
             tfpar.PipelineStrategy(cpus(4), tensor_parallel=2, layout_map=layout_map,
                                    **kwargs)
