@@ -245,7 +245,7 @@ def test_a_column_layer_read_by_an_unsplit_one_and_a_row_layer_of_a_whole_input(
     assert len([op for op in ops if tp.GATHER in op.name and op.type == "ConcatV2"]) == M
 
 
-def test_two_replicas_of_the_split_pipeline_train_as_one_device():
+def test_two_replicas_of_the_split_pipeline_train_as_one_device_with_and_without_zero():
     # R=2 x K=2 x T=2 needs 8 devices: a process of its own.
     worker = os.path.join(os.path.dirname(__file__), "workers", "pipeline_tp_replicas.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -254,10 +254,22 @@ def test_two_replicas_of_the_split_pipeline_train_as_one_device():
     done = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["difference"] < 1e-5, result
-    # Replica r's shard t of stage 0 on /cpu:(4r + t); the copies took the same update.
-    assert result["devices"] == [[0, 4], [1, 5]] and result["copies_equal"], result
+    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-3:]]
+    assert [r["shard"] for r in results] == [None, "optimizer", "parameters"]
+    for result in results:
+        assert result["difference"] < 1e-5, result
+    plain, zero1, zero3 = results
+    # Replica r's copy of stage 0's shard t on /cpu:(4r + t); the copies took the same update,
+    # and each copy keeps its own Adam state.
+    assert plain["devices"] == [[0, 4], [1, 5]] and plain["copies_equal"], plain
+    assert len(plain["state"]) == 2 * 2 * 3  # K x T x (column kernel and bias, row kernel).
+    assert all(state == shard * 2 for shard, state in plain["state"]), plain
+    # ZeRO-1: one copy of each shard's state (m and v), on one of that shard's devices.
+    assert zero1["copies_equal"] and all(
+        len(state) == 2 and state[0] == state[1] and state[0] in shard
+        for shard, state in zero1["state"]), zero1
+    # ZeRO-3: each shard lives on its owner only, one of the shard's two devices.
+    assert all(len(d) == 1 and d[0] in (t, t + 4) for t, d in enumerate(zero3["devices"])), zero3
 
 
 def einsum_mlp(seed=0):
@@ -334,7 +346,7 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
     with pytest.raises(ValueError, match="'pipe' of size 2.*num_stages=1"):
         tfpar.PipelineStrategy(cpus(2), num_stages=1, tensor_parallel=2,
                                layout_map=megatron_layout(mesh))
-    for kwargs, name in (({"shard": "optimizer"}, "shard"), ({"balance_by": "time"}, "balance_by"),
+    for kwargs, name in (({"balance_by": "time"}, "balance_by"),
                          ({"schedule": "2bw"}, "schedule")):
         with pytest.raises(ValueError, match=f"does not run with .*{name}"):
             tfpar.PipelineStrategy(cpus(4), tensor_parallel=2, layout_map=layout_map,

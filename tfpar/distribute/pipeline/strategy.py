@@ -145,7 +145,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
         devices are then R x K x T, replica-major, then stage: stage s of replica r on
         devices[(r*K + s)*T:][:T]. Needs `layout_map`; not yet with cluster_resolver,
-        shard, balance_by="time" or schedule="2bw".
+        balance_by="time" or schedule="2bw". With num_replicas and shard, each shard's
+        state is divided over its R copies as any stage variable's (Megatron x DeepSpeed).
       layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
         `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
         by columns (its bias follows), ("model", None) by rows; an EinsumDense kernel by
@@ -253,8 +254,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         if self._workers is not None:
             self._workers.check_replicas(resolved, num_replicas)
         _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
-                               self._workers, shard=shard, schedule=schedule,
-                               balance_by=balance_by)
+                               self._workers, schedule=schedule, balance_by=balance_by)
         self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
         # The stages' devices: R x K x T, replica-major, then stage, then the model axis.
         tp_grid = [resolved[i:i + tensor_parallel]
@@ -743,7 +743,6 @@ def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replica
             f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
     unsupported = {
         "cluster_resolver": (workers is not None, "stages on other processes"),
-        "shard": (bool(others["shard"]), "ZeRO"),
         "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
         "schedule": ((others["schedule"].name if isinstance(others["schedule"],
                                                             schedule_lib.Schedule)
