@@ -322,7 +322,7 @@ def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     assert tp.communication_of(gpus) == "nccl"
     assert tp.communication_of(cpus(2)) == "reduce_to_one"
 
-    @tf.function
+    @tf.function(autograph=False)
     def reduce(a, b):
         return tp.reduce_sum([a, b], gpus, tp.communication_of(gpus), "r")
 

@@ -727,10 +727,13 @@ def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replica
                          f"split over). Received: tensor_parallel={tensor_parallel!r}")
     if tensor_parallel == 1:
         if layout_map is not None:
+            mesh = getattr(layout_map, "device_mesh", None)
+            sizes = dict(zip(mesh.axis_names, mesh.shape)) if mesh is not None else {}
+            size = sizes.get("model", "T (e.g. 2)")
             raise ValueError(
-                "layout_map says how each stage's layers are split over its "
-                "tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
-                "Pass tensor_parallel=T (e.g. 2), or drop layout_map.")
+                f"layout_map says how each stage's layers are split over its "
+                f"tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
+                f"Pass tensor_parallel={size}, or drop layout_map.")
         return
     if layout_map is None:
         raise ValueError(

@@ -80,10 +80,12 @@ def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
     mesh = layout_map.device_mesh
     if mesh is None:
         return
-    degrees = {"data": num_replicas, "pipe": num_stages, MODEL_AXIS: tensor_parallel}
+    # ("batch" is the data axis of Keras' own examples.)
+    degrees = {"data": num_replicas, "batch": num_replicas, "pipe": num_stages,
+               MODEL_AXIS: tensor_parallel}
     for name, size in zip(mesh.axis_names, mesh.shape):
         if name in degrees and degrees[name] != size:
-            what = {"data": "num_replicas", "pipe": "num_stages",
+            what = {"data": "num_replicas", "batch": "num_replicas", "pipe": "num_stages",
                     MODEL_AXIS: "tensor_parallel"}[name]
             raise ValueError(
                 f"The layout map's device mesh has axis {name!r} of size {size}, but the "
