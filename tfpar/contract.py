@@ -84,6 +84,9 @@ class StrategyHooks:
     _tfpar_explain_timeout = None
     # (optimizer_slots=2) -> tfpar.plan.MemoryConfig describing the strategy's layout.
     _tfpar_memory_config = None
+    # (variables) -> the variables an optimizer built for them keeps state for (a
+    # tensor-parallel pipeline: each split variable's shards in its place).
+    _tfpar_optimizer_variables = None
     # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
     # loss counts until they are summed (`tfpar.distribute.ps_sync.SyncGradients`).
     _tfpar_sync_gradients = None

@@ -17,7 +17,8 @@ import harness
 
 EQUAL = "equal"
 MULTI_WORKER = "mw2"  # DataParallelStrategy over 2 worker processes (1 CPU replica each)
-COLUMNS = [s for s in harness.STRATEGIES if s != harness.MESH] + [MULTI_WORKER, harness.MESH]
+COLUMNS = [s for s in harness.STRATEGIES if s not in (harness.MESH, harness.PIPE_TP)] + [
+    MULTI_WORKER, harness.MESH, harness.PIPE_TP]
 # Features the multi-worker test runs (one pair of processes runs them one after another).
 MULTI_WORKER_FEATURES = ["loss_sum", "sample_weight", "masked_pooling", "partial_last_batch",
                          "metrics_confusion", "batchnorm_synchronized", "batchnorm"]
@@ -79,6 +80,13 @@ PIPELINE_ZERO_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "partial_
 # core.
 PIPELINE_ZERO23_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "gradient_accumulation",
                             "frozen_layer", "save_keras_load", "custom_loop"]
+# Features run on a tensor-parallel pipeline (K=2 x T=2, d1 column, d2 row): the core rows
+# (losses, weights, partial batches, accumulation, recompiling, frozen and nested layers,
+# two inputs and outputs, saving) and the refusals (what a split layer cannot do, custom loops).
+PIPELINE_TP_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "partial_last_batch",
+                        "gradient_accumulation", "recompile", "frozen_layer", "nested_model",
+                        "multi_input_output", "save_keras_load", "subclassed_model",
+                        "kernel_regularizer", "mixed_float16", "custom_loop", "jit_compile"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -156,8 +164,14 @@ def _expected():
             cells[f, "pipe_zero1"] = replicas
         if f in PIPELINE_ZERO23_FEATURES:
             cells[f, "pipe_zero2"] = cells[f, "pipe_zero3"] = replicas
+        if f in PIPELINE_TP_FEATURES:
+            cells[f, harness.PIPE_TP] = cells[f, "1f1b"]
         if f not in PIPELINE_REPLICA_FEATURES:
             cells.pop((f, "pipe_r2k2"))
+    cells["kernel_regularizer", harness.PIPE_TP] = "error:PlacementError:has a kernel_regularizer"
+    cells["mixed_float16", harness.PIPE_TP] = ("error:PlacementError:computes in another dtype "
+                                               "than its variables")
+    cells["custom_loop", harness.PIPE_TP] = "error:ValueError:custom training loop"
     return cells
 
 
@@ -196,7 +210,7 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "zero3": "ZeRO-3 DP 2", MULTI_WORKER: "DP 2 workers",
            "pipe_zero1": "1F1B R2 K2 M2 ZeRO-1", "pipe_zero2": "1F1B R2 K2 M2 ZeRO-2",
            "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
-           harness.MESH: "keras.distribution DP 2 x TP 2"}
+           harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2"}
 
 
 def render_table():

@@ -84,14 +84,30 @@ def _mesh_strategy():
 
 
 STRATEGIES[MESH] = _mesh_strategy
+# A tensor-parallel pipeline (K=2 stages x T=2 devices): the features' d1 split by columns
+# (its bias too) and d2 by rows, as the mesh column splits them, each on its stage's 2 CPUs
+# (expected.PIPELINE_TP_FEATURES).
+PIPE_TP = "pipe_tp"
+
+
+def _pipeline_tensor_parallel():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[".*d1/kernel"] = (None, "model")
+    layout_map[".*d1/bias"] = ("model",)
+    layout_map[".*d2/kernel"] = ("model", None)
+    return tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_stages=2, schedule="1f1b",
+                                  tensor_parallel=2, layout_map=layout_map)
+
+
+STRATEGIES[PIPE_TP] = _pipeline_tensor_parallel
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
             "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1, "pipe_zero1": 2,
-            "pipe_zero2": 2, "pipe_zero3": 2}
+            "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 1}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
                  "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1,
-                 "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2}
+                 "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 2}
 
 
 def _pipeline_zero(shard):

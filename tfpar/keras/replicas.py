@@ -556,6 +556,22 @@ def _batch_specs(epoch_iterator):
     return specs
 
 
+def _build_optimizer_for_its_variables(model):
+    """Builds a built model's optimizer for the variables its strategy trains in place of
+    the model's own (`_tfpar_optimizer_variables`: a tensor-parallel pipeline's shards),
+    before Keras' symbolic build would build it for the model's own."""
+    strategy = internals.attr(model, "_distribute_strategy")
+    substitute = hooks_of(strategy)._tfpar_optimizer_variables
+    optimizer = getattr(model, "optimizer", None)
+    if substitute is None or optimizer is None or optimizer.built or not model.built:
+        return
+    variables = list(model.trainable_variables)
+    trained = substitute(variables)
+    if [id(v) for v in trained] != [id(v) for v in variables]:
+        with strategy.scope():
+            optimizer.build(trained)
+
+
 def _build_from_one_replica(keras_build):
     """TensorFlowTrainer._maybe_symbolic_build: shapes from replica 0's part of the batch.
 
@@ -566,6 +582,7 @@ def _build_from_one_replica(keras_build):
     @functools.wraps(keras_build)
     def build(self, iterator=None, data_batch=None):
         try:
+            _build_optimizer_for_its_variables(self)
             return build_from_one_replica(self, iterator, data_batch)
         except RuntimeError as error:
             # Keras before 3.15 wraps any error of its symbolic build in a RuntimeError

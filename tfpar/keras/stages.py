@@ -52,6 +52,15 @@ class StageProgram:
         self.stages = tuple(stages)
         # The model's own graph (its input structure), when `graph` is it flattened.
         self.model_graph = model_graph if model_graph is not None else graph
+        # Set by a tensor-parallel pipeline: {id(node): call(args, kwargs, training)} run in
+        # place of the node's layer, and {id(variable): its shards}, what the optimizer and
+        # the gradients see in place of a split variable.
+        self.calls = {}
+        self.substitutes = {}
+
+    def optimizer_variables(self, variables):
+        """`variables` with each split variable replaced by its shards, in order."""
+        return [s for v in variables for s in self.substitutes.get(id(v), (v,))]
 
     @property
     def num_stages(self):
@@ -90,7 +99,11 @@ class StageProgram:
         values = {id(t): v for t, v in zip(starts, keras.tree.flatten(inputs))}
         for node in stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
-            outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
+            split_call = self.calls.get(id(node))
+            if split_call is not None:
+                outputs = split_call(args, kwargs, training)
+            else:
+                outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
         if stage.output_tensor is not None:

@@ -282,7 +282,9 @@ class TrainStep:
             loss = tf.add_n([tf.cast(l, tf.float32) for l in self.losses]) if self.losses else (
                 tf.constant(0.0))
             y_pred = concat_batch(self.outputs)
-        grads = [self.grads.get(id(v)) for v in self.model.trainable_weights]
+        # (A tensor-parallel stage's split variables are trained as their shards.)
+        grads = [self.grads.get(id(v))
+                 for v in self.program.optimizer_variables(self.model.trainable_weights)]
         return loss, y_pred, grads
 
     def _global_shares(self, parts):
@@ -405,7 +407,7 @@ class TrainStep:
     def _variables(self, s):
         if self.custom_loss and s == self.last_chunk:
             # A custom compute_loss may read any variable (e.g. self.losses).
-            return list(self.model.trainable_weights)
+            return self.program.optimizer_variables(self.model.trainable_weights)
         return list(self.program.stages[s].trainable_variables)
 
     def _forward(self, action):

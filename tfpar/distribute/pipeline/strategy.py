@@ -61,6 +61,7 @@ from tfpar.distribute.cross_device import make_cross_device_ops
 from tfpar.distribute.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.pipeline import profiling
+from tfpar.distribute.pipeline import tensor_parallel as tensor_parallel_lib
 from tfpar.distribute.pipeline import workers as stage_workers
 from tfpar.distribute.pipeline.weight_versions import WeightVersions
 from tfpar.distribute.placement import canonical_device
@@ -140,6 +141,17 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         Across processes R must be 1. A stage worker that dies ends `fit`, `evaluate` or
         `predict` with a `ClusterError` naming it; rerun with
         `keras.callbacks.BackupAndRestore` to resume.
+      tensor_parallel: T, the devices each stage is split over (Megatron's tensor
+        parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
+        devices are then R x K x T, replica-major, then stage: stage s of replica r on
+        devices[(r*K + s)*T:][:T]. Needs `layout_map`; not yet with cluster_resolver,
+        balance_by="time" or schedule="2bw". With num_replicas and shard, each shard's
+        state is divided over its R copies as any stage variable's (Megatron x DeepSpeed).
+      layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
+        `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
+        by columns (its bias follows), ("model", None) by rows; an EinsumDense kernel by
+        columns along a split output axis, by rows along a split contracted one. Its device mesh, if any,
+        must agree on the "data", "pipe" and "model" axes' sizes (R, K, T).
       connect_timeout_seconds: how long the workers get to start listening.
       stage_timeout_seconds: with stages on other processes, how long a stage worker may
         stay silent (its gRPC server not answering: stopped, hung, or cut off) during
@@ -155,6 +167,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         is not its chief.
       ClusterError: with `cluster_resolver`, a worker does not listen within
         `connect_timeout_seconds`.
+      ValueError: `layout_map` without `tensor_parallel` > 1 or the reverse, a layout map
+        whose mesh disagrees with R, K or T, or tensor parallelism with what it does not
+        run with yet. (A layout it cannot run is a PlacementError when the model is placed,
+        naming the layer and the key.)
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -165,6 +181,27 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
       ...     model.compile("sgd", "mse")
       >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
       >>> print(strategy.schedule_table())  # doctest: +SKIP
+
+      Two stages, each split over 2 devices (a Megatron MLP per stage):
+
+      >>> layout_map = keras.distribution.LayoutMap(None)
+      >>> layout_map[".*mlp_in/kernel"] = (None, "model")   # column
+      >>> layout_map[".*mlp_out/kernel"] = ("model", None)  # row
+      >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
+      ...                                   num_stages=2, tensor_parallel=2,
+      ...                                   layout_map=layout_map, num_micro_batches=2)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([
+      ...         keras.Input((4,)), keras.layers.Dense(8, name="embed"),
+      ...         keras.layers.Dense(32, activation="relu", name="mlp_in"),
+      ...         keras.layers.Dense(8, name="mlp_out"), tfpar.layers.StageBoundary(name="cut"),
+      ...         keras.layers.Dense(3, name="head")])
+      ...     model.compile("adam", "mse")
+      >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
+      >>> strategy.stages(model)
+      [['embed', 'mlp_in', 'mlp_out'], ['cut', 'head']]
+      >>> [tuple(w.shape) for w in model.get_layer("mlp_in").weights]  # Whole, for Keras.
+      [(8, 32), (32,)]
 
       One stage per worker process (`tfpar launch --workers 2 --coordinator -- python
       train.py`, train.py running on the chief):
@@ -186,7 +223,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
                  cluster_resolver=None, connect_timeout_seconds=60.0,
-                 stage_timeout_seconds=120.0, offload_activations=False, shard=None):
+                 stage_timeout_seconds=120.0, offload_activations=False, shard=None,
+                 tensor_parallel=1, layout_map=None):
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         if not isinstance(remat, bool):
@@ -215,7 +253,20 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._workers = stage_workers.of_devices(resolved)
         if self._workers is not None:
             self._workers.check_replicas(resolved, num_replicas)
-        num_stages = _stage_count(len(resolved), num_replicas, num_stages)
+        _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
+                               self._workers, schedule=schedule, balance_by=balance_by)
+        self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
+        # The stages' devices: R x K x T, replica-major, then stage, then the model axis.
+        tp_grid = [resolved[i:i + tensor_parallel]
+                   for i in range(0, len(resolved), tensor_parallel)]
+        firsts = [row[0] for row in tp_grid]
+        num_stages = _stage_count(len(firsts), num_replicas, num_stages)
+        if layout_map is not None:
+            tensor_parallel_lib.check_layout_map(layout_map, tensor_parallel, num_stages,
+                                                 num_replicas)
+        self._tp_grid = tuple(tuple(tuple(tp_grid[r * num_stages + s])
+                                    for s in range(num_stages))
+                              for r in range(num_replicas))
         _check_shard(shard, num_replicas, self._workers, schedule, balance_by)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
@@ -224,16 +275,22 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
                                if balance_by == "time" else None)
         self._micro_batch_rows = None  # Timing's micro-batch: the first batch's, else 32.
-        self._grid = tuple(resolved[r * num_stages:(r + 1) * num_stages]
+        self._grid = tuple(firsts[r * num_stages:(r + 1) * num_stages]
                            for r in range(num_replicas))
         given = [devices] if isinstance(devices, str) else (
             list(devices) if devices is not None else devices_lib.default_devices())
         self._display = dict(zip(resolved, given))
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
+        self._tp_substitutes = {}  # id(split variable) -> its shards.
         # Read by MirroredExtended.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
-        super(tf.distribute.MirroredStrategy, self).__init__(_PipelineExtended(self, self._grid))
+        # A shard's copies live on one device of its stage in each replica: each of a
+        # stage's T devices has its own reduction across the replicas.
+        reduction_grid = (tuple(tuple(d for stage in row for d in stage) for row in self._tp_grid)
+                          if tensor_parallel > 1 else None)
+        super(tf.distribute.MirroredStrategy, self).__init__(
+            _PipelineExtended(self, self._grid, reduction_grid))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
         self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
@@ -254,7 +311,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
                 f"remat={self._remat}, "
                 f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
-                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''})")
+                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''}"
+                f"{f', tensor_parallel={self._tensor_parallel}' if self._tensor_parallel > 1 else ''})")
 
     @property
     def num_stages(self):
@@ -276,6 +334,17 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         """`stage_devices[r][s]`: the device of stage s in pipeline replica r (canonical)."""
         return self._grid
 
+    @property
+    def tensor_parallel(self):
+        """T, the devices each stage is split over (1: no tensor parallelism)."""
+        return self._tensor_parallel
+
+    @property
+    def tensor_parallel_devices(self):
+        """`tensor_parallel_devices[r][s]`: the T devices of stage s in pipeline replica r
+        (canonical); the first is `stage_devices[r][s]`."""
+        return self._tp_grid
+
     def chunk_devices(self, replica=0):
         """The device of each model chunk in pipeline replica `replica` (one chunk per
         stage, or `virtual_stages` per stage, chunk c on stage c % K)."""
@@ -290,6 +359,12 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def _tfpar_memory_config(self, optimizer_slots=2):
         # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
         # stages: the model's own cut when its layers weigh alike).
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                f"tfpar.plan.estimate_memory does not plan a tensor-parallel pipeline yet "
+                f"(tensor_parallel={self._tensor_parallel}: its split layers' bytes are "
+                f"divided over each stage's devices, the rest is not). Estimate the pipeline "
+                f"without it and divide the split layers' share by {self._tensor_parallel}.")
         return plan_memory.MemoryConfig(
             "pipeline", self.num_stages, shard=self.shard, optimizer_slots=optimizer_slots,
             num_replicas=len(self._grid), reshard_after_forward=False)
@@ -304,6 +379,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         (shard="parameters"): the stage's variables a device reads from other owners, all
         kept from the forward to the backward pass. `optimizer`: the one a custom loop
         trains with (default: the compiled one)."""
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                "memory_report does not measure a tensor-parallel pipeline yet (its split "
+                "variables are shards on the stages' T devices).")
         self._place(model)
         devices = [d for row in self._grid for d in row]
         stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
@@ -430,7 +509,14 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             program = pipeline_stages.build_program(
                 model, self._schedule.num_chunks,
                 self._time_layer if self._balance_by == "time" else None)
+            planned = (tensor_parallel_lib.plan_layers(program, self._layout_map,
+                                                       self._tensor_parallel)
+                       if self._tensor_parallel > 1 else {})  # Refusals, before any storage.
             with tf.init_scope(), self._creating_variables():
+                if planned:
+                    program.stages = tensor_parallel_lib.split_program(
+                        program, planned, self._shard_homes, self._split_devices)
+                    self._tp_substitutes.update(program.substitutes)
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
                     for variable in stage.placed_variables:
@@ -443,6 +529,26 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             object.__setattr__(model, "_tfpar_original_call", model.call)
             object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
             mark_placed(self, model)
+
+    def _shard_homes(self, chunk):
+        """For each of chunk's T devices, its device in every replica."""
+        rank = self._schedule.rank_of(chunk)
+        return [[row[rank][t] for row in self._tp_grid] for t in range(self._tensor_parallel)]
+
+    def _split_devices(self, chunk):
+        """(This replica's T devices of `chunk`, how their reductions run); asked while a
+        step is built."""
+        devices = self._tp_grid[replica_id()][self._schedule.rank_of(chunk)]
+        return devices, tensor_parallel_lib.communication_of(devices)
+
+    def _tfpar_optimizer_variables(self, variables):
+        # Asked by the Keras seam when an optimizer is built: split variables are trained
+        # as their shards (placing their model first, which makes them).
+        if self._tensor_parallel == 1:
+            return variables
+        for variable in variables:
+            self._tfpar_first_use(variable)  # (Nothing unless it is pending.)
+        return [s for v in variables for s in self._tp_substitutes.get(id(v), (v,))]
 
     def _time_layer(self, layer, first):
         """Seconds of `layer`'s forward and backward on one micro-batch (with the input
@@ -499,7 +605,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             with tf.control_dependencies(pipeline_exec.tensors_of(grads)):
                 versions.use_current()
         if model.trainable_weights:
-            model.optimizer.apply_gradients(zip(grads, model.trainable_weights))
+            model.optimizer.apply_gradients(zip(
+                grads, model._tfpar_pipeline.optimizer_variables(model.trainable_weights)))
         if versions is not None:
             versions.mark_saved(model.optimizer.iterations)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -530,6 +637,12 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
             or models.any_symbolic_tensors((inputs,))):
         return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
     strategy = model._tfpar_placed_by
+    if strategy.tensor_parallel > 1 and tf_runtime.tape_recording():
+        raise ValueError(
+            f"{model.name!r} was called under a GradientTape (a custom training loop) on a "
+            f"tensor-parallel pipeline, which trains its split layers' shards, not the "
+            f"whole variables a custom loop would differentiate. Train it with model.fit "
+            f"(or train_on_batch), or use tensor_parallel=1 for custom loops.")
     replica = replica_id()
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
                                  strategy.num_micro_batches, inputs, training)
@@ -604,6 +717,49 @@ def _check_shard(shard, num_replicas, workers, schedule, balance_by):
             "device. Use balance_by='params' or tfpar.layers.StageBoundary markers.")
 
 
+def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replicas, workers,
+                           **others):
+    """Refuses tensor parallelism that is not asked for clearly, or that is combined with
+    what it does not run with yet."""
+    if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
+            or tensor_parallel < 1):
+        raise ValueError(f"tensor_parallel must be an integer >= 1 (the devices each stage is "
+                         f"split over). Received: tensor_parallel={tensor_parallel!r}")
+    if tensor_parallel == 1:
+        if layout_map is not None:
+            mesh = getattr(layout_map, "device_mesh", None)
+            sizes = dict(zip(mesh.axis_names, mesh.shape)) if mesh is not None else {}
+            size = sizes.get("model", "T (e.g. 2)")
+            raise ValueError(
+                f"layout_map says how each stage's layers are split over its "
+                f"tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
+                f"Pass tensor_parallel={size}, or drop layout_map.")
+        return
+    if layout_map is None:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} needs a layout_map saying which layers to "
+            f"split, e.g. layout_map['.*mlp_in/kernel'] = (None, 'model') (column) and "
+            f"layout_map['.*mlp_out/kernel'] = ('model', None) (row).")
+    if num_devices % tensor_parallel:
+        raise DeviceError(
+            f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
+            f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
+    unsupported = {
+        "cluster_resolver": (workers is not None, "stages on other processes"),
+        "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
+        "schedule": ((others["schedule"].name if isinstance(others["schedule"],
+                                                            schedule_lib.Schedule)
+                      else others["schedule"]) == "2bw",
+                     "schedule='2bw' (its older copy of the weights is not split)"),
+    }
+    for name, (given, what) in unsupported.items():
+        if given:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not run with {what} yet ({name}="
+                f"{others[name]!r}): "
+                f"drop {name}, or tensor_parallel.")
+
+
 def _check_offload(offload, remat):
     if offload is False or offload is None:
         return
@@ -650,8 +806,9 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
     are reduced by that stage's cross-device ops.
     """
 
-    def __init__(self, container_strategy, grid):
+    def __init__(self, container_strategy, grid, reduction_grid=None):
         self._grid = grid
+        self._reduction_grid = reduction_grid or grid
         super().__init__(container_strategy, devices=[row[0] for row in grid])
 
     def _initialize_strategy(self, devices):
@@ -659,6 +816,9 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
         reductions = stage_reductions(self._grid, tf_runtime.collective_keys(self))
         self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
         self._stage_ops = {r.devices: r.ops for r in reductions}
+        if self._reduction_grid is not self._grid:  # Tensor parallelism: one per device.
+            self._stage_ops.update({r.devices: r.ops for r in stage_reductions(
+                self._reduction_grid, tf_runtime.collective_keys(self))})
         # Stage 0's devices are the replicas'.
         tf_runtime.set_cross_device_ops(self, reductions[0].ops)
 

@@ -1,0 +1,400 @@
+"""PipelineStrategy(tensor_parallel=T, layout_map=...): each stage's Dense layers split over
+its T devices as Megatron splits them (column, then row), trained as one device; shards on
+their devices (read off the built variables), one reduction each way per micro-batch (counted
+in the traced step), checkpoints whole, and what cannot be split refused before the first
+step, naming the layer and the key."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from tfpar.distribute.pipeline import tensor_parallel as tp
+from tfpar.errors import DeviceError, PlacementError
+from tfpar.keras import internals
+from tfpar.keras import tensor_parallel as keras_tp
+
+from conftest import cpus
+
+H, INPUTS, OUTPUTS, BATCH, M = 8, 6, 3, 16, 2
+
+
+def megatron_mlp(seed=0):
+    """Dense -> [Dense(4h, column) -> Dense(h, row)] x 2 -> head: one Megatron MLP per
+    stage when cut in two (no marker: the cut balances parameters)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((INPUTS,)),
+        keras.layers.Dense(H, name="embed"),
+        keras.layers.Dense(4 * H, activation="relu", name="mlp_in_0"),
+        keras.layers.Dense(H, name="mlp_out_0"),
+        keras.layers.Dense(4 * H, activation="gelu", name="mlp_in_1"),
+        keras.layers.Dense(H, activation="tanh", name="mlp_out_1"),
+        keras.layers.Dense(OUTPUTS, name="head"),
+    ], name="megatron")
+
+
+def megatron_layout(mesh=None):
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*mlp_in_\d/kernel"] = (None, "model")   # Column: output units split.
+    layout_map[r".*mlp_out_\d/kernel"] = ("model", None)  # Row: input features split.
+    return layout_map
+
+
+def _data(n=64):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, INPUTS)).astype("float32"),
+            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+
+
+def _optimizer(name):
+    return (keras.optimizers.SGD(0.05, momentum=0.9) if name == "sgd_momentum"
+            else keras.optimizers.Adam(0.01))
+
+
+def _strategy(schedule="1f1b", layout_map=None, **kwargs):
+    # K=2 stages x T=2 devices on 4 CPUs: stage s on /cpu:(2s) and /cpu:(2s + 1).
+    return tfpar.PipelineStrategy(cpus(4), num_micro_batches=M, num_stages=2,
+                                  schedule=schedule, tensor_parallel=2,
+                                  layout_map=layout_map or megatron_layout(), **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _trained(optimizer, schedule, make=megatron_mlp, layout=megatron_layout, epochs=2,
+             **kwargs):
+    """(strategy, model) after `epochs` epochs of 4 steps; schedule None: one device."""
+    x, y = _data()
+    strategy = None if schedule is None else _strategy(schedule, layout(), **kwargs)
+    if strategy is None:
+        model = make()
+        model.compile(_optimizer(optimizer), "mse")
+    else:
+        with strategy.scope():
+            model = make()
+            model.compile(_optimizer(optimizer), "mse")
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return strategy, model
+
+
+def _check_equal(model, want, label):
+    initial = megatron_mlp().get_weights()
+    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        assert got.shape == tuple(variable.shape)
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"{label} {variable.path}")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_megatron_mlp_trains_as_one_device_with_gpipe_and_1f1b(optimizer):
+    _, want = _trained(optimizer, None)
+    for schedule in ("gpipe", "1f1b"):
+        strategy, model = _trained(optimizer, schedule)
+        assert strategy.stages(model) == [["embed", "mlp_in_0", "mlp_out_0"],
+                                          ["mlp_in_1", "mlp_out_1", "head"]]
+        _check_equal(model, want, (optimizer, schedule))
+        # Evaluation and prediction run the split layers too.
+        x, y = _data(16)
+        np.testing.assert_allclose(model.predict(x, batch_size=BATCH, verbose=0),
+                                   want.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule, kwargs", [
+    ("gpipe", {"remat": True, "offload_activations": True}),
+    ("zero_bubble_h1", {}),
+    ("interleaved_1f1b", {"virtual_stages": 2}),
+])
+def test_remat_offload_zero_bubble_and_interleaved_stages_train_as_one_device(schedule, kwargs):
+    _, want = _trained("adam", None)
+    strategy, model = _trained("adam", schedule, **kwargs)
+    _check_equal(model, want, (schedule, kwargs))
+    if "virtual_stages" in kwargs:  # Chunk c on stage c % 2: its shards on that stage's CPUs.
+        assert strategy.stages(model)[1] == ["mlp_out_0"]
+        shards = keras_tp.sharded_storage(model.get_layer("mlp_out_0").kernel).shards
+        with strategy.scope():
+            assert [_device_index(_copies(s)[0].device) for s in shards] == [2, 3]
+
+
+def _device_index(device):
+    return tf.DeviceSpec.from_string(device).device_index
+
+
+def _copies(variable):
+    return tf.distribute.get_strategy().experimental_local_results(
+        internals.attr(variable, "_value"))
+
+
+def test_each_shard_lives_on_its_own_device_with_its_shape():
+    strategy, model = _trained("adam", "1f1b")
+    assert strategy.tensor_parallel_devices == (
+        (tuple(f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (0, 1)),
+         tuple(f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in (2, 3))),)
+    shapes = {"mlp_in": ((H, 2 * H), (2 * H,)), "mlp_out": ((2 * H, H), None)}
+    for stage in (0, 1):
+        for kind in ("mlp_in", "mlp_out"):
+            layer = model.get_layer(f"{kind}_{stage}")
+            kernel_shape, bias_shape = shapes[kind]
+            split = [(layer.kernel, kernel_shape)] + (
+                [(layer.bias, bias_shape)] if bias_shape else [])
+            for variable, shard_shape in split:
+                storage = keras_tp.sharded_storage(variable)
+                assert storage is not None, variable.path
+                assert len(storage.shards) == 2
+                for t, shard in enumerate(storage.shards):
+                    assert tuple(shard.shape) == shard_shape
+                    with strategy.scope():
+                        (copy,) = _copies(shard)
+                    assert _device_index(copy.device) == 2 * stage + t
+                # The layer's own variable is whole for Keras (the shards side by side).
+                assert tuple(variable.shape) == tuple(np.asarray(variable).shape)
+            if not bias_shape:  # A row layer's bias is added once, on the stage's first device.
+                assert keras_tp.sharded_storage(layer.bias) is None
+                with strategy.scope():
+                    (copy,) = _copies(layer.bias)
+                assert _device_index(copy.device) == 2 * stage
+    # Adam's state of each shard (m and v) has the shard's shape, on the shard's device.
+    shard_slots = [v for v in model.optimizer.variables if "shard" in v.path]
+    assert len(shard_slots) == 2 * 2 * 3 * 2  # (m, v) x T x (column kernel and bias, row kernel) x K.
+    for variable in shard_slots:
+        assert tuple(variable.shape) in {(H, 2 * H), (2 * H,), (2 * H, H)}
+        with strategy.scope():
+            (copy,) = _copies(variable)
+        t = int(variable.path.split("shard")[1][0])
+        assert _device_index(copy.device) % 2 == t
+    assert not [v for v in model.optimizer.variables if tuple(v.shape) == (H, 4 * H)]
+
+
+def _traced_step(strategy, model, x=None):
+    y = _data(BATCH)[1]
+    x = _data(BATCH)[0] if x is None else x
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    return step.get_concrete_function(tf.TensorSpec(x.shape), tf.TensorSpec(y.shape)).graph
+
+
+def test_the_traced_step_has_one_reduction_each_way_per_micro_batch_and_no_gather():
+    strategy, model = _trained("sgd_momentum", "1f1b")
+    ops = _traced_step(strategy, model).get_operations()
+
+    def named(part, kind="AddN"):
+        return [op for op in ops if part in op.name and op.type == kind]
+
+    # Two Megatron MLPs (one per stage) x M micro-batches: M forward reductions each
+    # (summing the row layer's partial products) and M backward ones (summing the column
+    # layer's input gradients); nothing gathered between the column and the row layer.
+    forward, backward = named(tp.FORWARD_REDUCTION), named(tp.BACKWARD_REDUCTION)
+    assert len(forward) == 2 * M and len(backward) == 2 * M
+    assert not [op for op in ops if tp.GATHER in op.name]
+    for op in forward + backward:
+        assert _device_index(op.device) in (0, 2)  # Each stage's first device.
+        assert len(op.inputs) == 2
+        assert sorted(_device_index(i.device) for i in op.inputs) in ([0, 1], [2, 3])
+    # Every device multiplies, forward and backward (the shards' gradients on their device).
+    matmuls = [op for op in ops if op.type == "MatMul"]
+    assert {_device_index(op.device) for op in matmuls} == {0, 1, 2, 3}
+    grads = [op for op in matmuls if "gradient" in op.name.lower()]
+    assert {_device_index(op.device) for op in grads} == {0, 1, 2, 3}
+
+
+def test_weights_save_whole_and_load_into_a_plain_model(tmp_path):
+    strategy, model = _trained("adam", "gpipe")
+    path = str(tmp_path / "tp.weights.h5")
+    model.save_weights(path)
+    plain = megatron_mlp(seed=1)
+    plain.load_weights(path)
+    for got, want in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    # And back: a plain model's weights load into the split one (divided over the shards).
+    other = megatron_mlp(seed=2)
+    other_path = str(tmp_path / "plain.weights.h5")
+    other.save_weights(other_path)
+    with strategy.scope():
+        split = megatron_mlp(seed=3)
+        split.compile(_optimizer("adam"), "mse")
+    split.load_weights(other_path)
+    for got, want in zip(split.get_weights(), other.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    storage = keras_tp.sharded_storage(split.get_layer("mlp_in_0").kernel)
+    np.testing.assert_array_equal(np.asarray(storage.shards[1]),
+                                  other.get_layer("mlp_in_0").kernel.numpy()[:, 2 * H:])
+
+
+def _other_splits():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[".*embed/kernel"] = (None, "model")   # Column, read by an unsplit layer.
+    layout_map[".*embed/bias"] = ("model",)
+    layout_map[".*head/kernel"] = ("model", None)    # Row, reading a whole activation.
+    return layout_map
+
+
+def test_a_column_layer_read_by_an_unsplit_one_and_a_row_layer_of_a_whole_input():
+    # The column layer's slices are gathered; the row layer slices its input itself.
+    _, want = _trained("sgd_momentum", None, epochs=1)
+    strategy, model = _trained("sgd_momentum", "gpipe", layout=_other_splits, epochs=1)
+    _check_equal(model, want, "embed column, head row")
+    ops = _traced_step(strategy, model).get_operations()
+    assert len([op for op in ops if tp.GATHER in op.name and op.type == "ConcatV2"]) == M
+
+
+def test_two_replicas_of_the_split_pipeline_train_as_one_device_with_and_without_zero():
+    # R=2 x K=2 x T=2 needs 8 devices: a process of its own.
+    worker = os.path.join(os.path.dirname(__file__), "workers", "pipeline_tp_replicas.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    done = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-3:]]
+    assert [r["shard"] for r in results] == [None, "optimizer", "parameters"]
+    for result in results:
+        assert result["difference"] < 1e-5, result
+    plain, zero1, zero3 = results
+    # Replica r's copy of stage 0's shard t on /cpu:(4r + t); the copies took the same update,
+    # and each copy keeps its own Adam state.
+    assert plain["devices"] == [[0, 4], [1, 5]] and plain["copies_equal"], plain
+    assert len(plain["state"]) == 2 * 2 * 3  # K x T x (column kernel and bias, row kernel).
+    assert all(state == shard * 2 for shard, state in plain["state"]), plain
+    # ZeRO-1: one copy of each shard's state (m and v), on one of that shard's devices.
+    assert zero1["copies_equal"] and all(
+        len(state) == 2 and state[0] == state[1] and state[0] in shard
+        for shard, state in zero1["state"]), zero1
+    # ZeRO-3: each shard lives on its owner only, one of the shard's two devices.
+    assert all(len(d) == 1 and d[0] in (t, t + 4) for t, d in enumerate(zero3["devices"])), zero3
+
+
+def einsum_mlp(seed=0):
+    """Sequences through an EinsumDense Megatron pair (column over d, row over d)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((5, INPUTS)),
+        keras.layers.EinsumDense("abc,cd->abd", (5, 4 * H), bias_axes="d",
+                                 activation="relu", name="ein_in"),
+        keras.layers.EinsumDense("abd,de->abe", (5, H), bias_axes="e", name="ein_out"),
+        keras.layers.Flatten(name="flat"),
+        keras.layers.Dense(OUTPUTS, name="head"),
+    ])
+
+
+def einsum_layout():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[".*ein_in/kernel"] = (None, "model")
+    layout_map[".*ein_out/kernel"] = ("model", None)
+    return layout_map
+
+
+def test_an_einsum_dense_megatron_pair_trains_as_one_device():
+    x = np.random.default_rng(1).normal(size=(32, 5, INPUTS)).astype("float32")
+    y = _data(32)[1]
+    want = einsum_mlp()
+    want.compile(_optimizer("adam"), "mse")
+    want.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=M, tensor_parallel=2,
+                                      layout_map=einsum_layout())
+    with strategy.scope():
+        model = einsum_mlp()
+        model.compile(_optimizer("adam"), "mse")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+    column = keras_tp.sharded_storage(model.get_layer("ein_in").kernel).shards
+    bias = keras_tp.sharded_storage(model.get_layer("ein_in").bias).shards
+    row = keras_tp.sharded_storage(model.get_layer("ein_out").kernel).shards
+    assert [tuple(s.shape) for s in column + bias + row] == (
+        [(INPUTS, 2 * H)] * 2 + [(2 * H,)] * 2 + [(2 * H, H)] * 2)
+    ops = _traced_step(strategy, model, x[:BATCH]).get_operations()
+    assert not [op for op in ops if tp.GATHER in op.name]
+    assert len([op for op in ops if tp.FORWARD_REDUCTION in op.name and op.type == "AddN"]) == M
+
+
+def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
+    gpus = ["/job:localhost/replica:0/task:0/device:GPU:0",
+            "/job:localhost/replica:0/task:0/device:GPU:1"]
+    assert tp.communication_of(gpus) == "nccl"
+    assert tp.communication_of(cpus(2)) == "reduce_to_one"
+
+    @tf.function(autograph=False)
+    def reduce(a, b):
+        return tp.reduce_sum([a, b], gpus, tp.communication_of(gpus), "r")
+
+    graph = reduce.get_concrete_function(tf.TensorSpec([4]), tf.TensorSpec([4])).graph
+    (nccl,) = [op for op in graph.get_operations() if op.type == "NcclReduce"]
+    assert nccl.device == gpus[0] and len(nccl.inputs) == 2
+
+
+def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
+    layout_map = megatron_layout()
+    with pytest.raises(ValueError, match="tensor_parallel=1"):
+        tfpar.PipelineStrategy(cpus(2), layout_map=layout_map)
+    with pytest.raises(ValueError, match="needs a layout_map"):
+        tfpar.PipelineStrategy(cpus(4), tensor_parallel=2)
+    with pytest.raises(DeviceError, match="tensor_parallel=2"):
+        tfpar.PipelineStrategy(cpus(3), tensor_parallel=2, layout_map=layout_map)
+    mesh = keras.distribution.DeviceMesh((2, 2), ("pipe", "model"), cpus(4))
+    with pytest.raises(ValueError, match="'model' of size 2.*tensor_parallel=4"):
+        tfpar.PipelineStrategy(cpus(4), num_stages=1, tensor_parallel=4, layout_map=(
+            megatron_layout(keras.distribution.DeviceMesh((2,), ("model",), cpus(2)))))
+    with pytest.raises(ValueError, match="'pipe' of size 2.*num_stages=1"):
+        tfpar.PipelineStrategy(cpus(2), num_stages=1, tensor_parallel=2,
+                               layout_map=megatron_layout(mesh))
+    for kwargs, name in (({"balance_by": "time"}, "balance_by"),
+                         ({"schedule": "2bw"}, "schedule")):
+        with pytest.raises(ValueError, match=f"does not run with .*{name}"):
+            tfpar.PipelineStrategy(cpus(4), tensor_parallel=2, layout_map=layout_map,
+                                   **kwargs)
+
+
+def test_memory_is_not_planned_or_reported_yet():
+    strategy, model = _trained("adam", "1f1b")
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        tfpar.plan.estimate_memory(model, strategy)
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        strategy.memory_report(model)
+
+
+def _placed(layers, layout):
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=1, tensor_parallel=2,
+                                      layout_map=layout)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4, 4, 2) if isinstance(
+            layers[0], keras.layers.Conv2D) else (4,))] + layers)
+    return strategy.stages(model)
+
+
+def _layout(**entries):
+    layout_map = keras.distribution.LayoutMap(None)
+    for key, value in entries.items():
+        layout_map[key.replace("_S_", "/")] = value
+    return layout_map
+
+
+@pytest.mark.parametrize("layers, layout, message", [
+    (lambda: [keras.layers.Conv2D(4, 3, name="conv")],
+     {".*conv_S_kernel": (None, None, None, "model")}, r"key '\.\*conv/kernel'.*'conv' \(Conv2D\)"),
+    (lambda: [keras.layers.Dense(5, name="odd")], {".*odd_S_kernel": (None, "model")},
+     r"key '\.\*odd/kernel'.*'odd' by output units \(5\) over tensor_parallel=2"),
+    (lambda: [keras.layers.EinsumDense("ab,bc->ac", 4, name="ein")],
+     {".*ein_S_kernel": ("model", "model")}, r"'ein' the layout \('model', 'model'\)"),
+    (lambda: [keras.layers.Embedding(8, 4, name="emb")],
+     {".*emb_S_embeddings": (None, "model")}, r"'emb' \(Embedding\)"),
+    (lambda: [keras.layers.Dense(4, name="d")], {".*d_S_bias": ("model",)},
+     r"bias of layer 'd' but not its kernel"),
+    (lambda: [keras.layers.Dense(4, name="r")],
+     {".*r_S_kernel": ("model", None), ".*r_S_bias": ("model",)}, r"row layer"),
+    (lambda: [keras.layers.Dense(4, name="b")], {".*b_S_kernel": ("batch", "model")},
+     r"over mesh axes \['batch'\]"),
+    (lambda: [keras.layers.Dense(4, name="c", kernel_constraint="non_neg")],
+     {".*c_S_kernel": (None, "model")}, r"'c' cannot be split.*kernel_constraint"),
+])
+def test_layouts_it_cannot_run_are_refused_before_the_first_step(layers, layout, message):
+    with pytest.raises(PlacementError, match=message):
+        _placed(layers(), _layout(**layout))

@@ -1,0 +1,382 @@
+"""Tensor parallelism inside a pipeline stage (Megatron's layout), on one host.
+
+Each stage of a `PipelineStrategy(tensor_parallel=T, layout_map=...)` runs on T devices.
+The user's `keras.distribution.LayoutMap` (the keys a user writes for
+`keras.distribution.ModelParallel`) says which `Dense` layers are split over the stage's
+"model" axis (and `EinsumDense` layers alike: column when the split kernel axis is an output
+axis of the equation, row when it is contracted):
+
+- *column* (kernel layout `(None, "model")`): the kernel (in, out) and bias are kept as T
+  shards of out / T columns, shard t on the stage's device t, which computes
+  `activation(x @ W_t + b_t)` from a copy of the whole input x. The copy's gradient is
+  the sum of the T devices' input gradients: one reduction in the backward pass
+  (Megatron's f).
+- *row* (kernel layout `("model", None)`): the kernel is kept as T shards of in / T rows;
+  device t computes `x_t @ W_t` from slice t of its input, the T partial products are
+  summed (one reduction in the forward pass, Megatron's g), then the (whole) bias and the
+  activation are applied on the stage's first device.
+- A column layer whose output feeds only a row layer of the same stage (the Megatron MLP)
+  hands it its T slices as they are: no gather in between. Otherwise its slices are
+  concatenated on the stage's first device.
+- Layers the layout map does not split run whole on the stage's first device, as in a
+  pipeline without tensor parallelism.
+
+Reductions inside a stage sum T tensors onto the stage's first device: with NCCL when the
+stage's devices are GPUs (`select_communication`: a `NcclReduce`), else an add on that
+device (`"reduce_to_one"`). Each shard's forward and backward run on its device
+(`placed_call`). What cannot be split is refused when the model is placed, before the
+first step, naming the layer and the layout key.
+"""
+
+import dataclasses
+import functools
+import re
+
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar.distribute.placement import placed_call
+from tfpar.errors import PlacementError
+from tfpar.keras import tensor_parallel as keras_tp
+from tfpar.keras import variable_birth
+from tfpar.plan.communication import select_communication
+
+MODEL_AXIS = "model"
+COLUMN, ROW = "column", "row"
+# Names of the reductions' ops in a traced step (a test counts them).
+FORWARD_REDUCTION, BACKWARD_REDUCTION, GATHER = "tp_reduce_forward", "tp_reduce_backward", "tp_gather"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayer:
+    """How one layer is split: `kind` COLUMN or ROW, by the layout under `key`."""
+
+    layer: object
+    kind: str
+    key: str  # The LayoutMap key that matched its kernel.
+    split_variables: tuple  # (variable, axis) kept as shards.
+    out_axis: object = None  # COLUMN: the output axis split (negative: from the end).
+    in_axis: object = None  # ROW: the input axis split (negative).
+
+    @property
+    def bias_split(self):
+        return len(self.split_variables) > 1
+
+
+class Split:
+    """An activation left split along `axis`, one slice per device of the stage."""
+
+    def __init__(self, parts, axis):
+        self.parts = list(parts)
+        self.axis = axis
+
+
+def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
+    """Refuses a layout map that is not one, or whose device mesh says other degrees."""
+    if not keras_tp.is_layout_map(layout_map):
+        raise ValueError(f"layout_map must be a keras.distribution.LayoutMap (keys: variable "
+                         f"path patterns, values: layouts such as (None, 'model')). Received: "
+                         f"{type(layout_map).__name__}")
+    mesh = layout_map.device_mesh
+    if mesh is None:
+        return
+    # ("batch" is the data axis of Keras' own examples.)
+    degrees = {"data": num_replicas, "batch": num_replicas, "pipe": num_stages,
+               MODEL_AXIS: tensor_parallel}
+    for name, size in zip(mesh.axis_names, mesh.shape):
+        if name in degrees and degrees[name] != size:
+            what = {"data": "num_replicas", "batch": "num_replicas", "pipe": "num_stages",
+                    MODEL_AXIS: "tensor_parallel"}[name]
+            raise ValueError(
+                f"The layout map's device mesh has axis {name!r} of size {size}, but the "
+                f"strategy has {what}={degrees[name]}: the two disagree. Pass {what}={size}, "
+                f"or make the mesh's {name!r} axis {degrees[name]} long.")
+
+
+def _key_of(layout_map, path):
+    """(the LayoutMap key matching `path`, its layout) or (None, None). Keras' own lookup
+    first, which refuses a path that several keys match."""
+    layout = layout_map[path]
+    if layout is None:
+        return None, None
+    keys = list(layout_map)  # (A Mapping's `in` would match patterns too.)
+    if path in keys:
+        return path, layout
+    return next(k for k in keys if re.fullmatch(k, path)), layout
+
+
+def plan_layers(program, layout_map, tensor_parallel):
+    """{id(layer): SplitLayer} for the layers of `program` the layout map splits over the
+    "model" axis; PlacementError, naming the layer and the key, for a layout it cannot run."""
+    planned, calls = {}, {}
+    for stage in program.stages:
+        for node in stage.nodes:
+            calls.setdefault(id(node.operation), []).append(stage.index)
+    for stage in program.stages:
+        for layer in stage.layers:
+            split = _plan_layer(layer, layout_map, tensor_parallel)
+            if split is None:
+                continue
+            if len(calls.get(id(layer), ())) != 1:
+                raise PlacementError(
+                    f"Layer {layer.name!r} is split by the layout map (key {split.key!r}) but "
+                    f"is called {len(calls.get(id(layer), ()))} times in the model: a split "
+                    f"layer must be called once. Drop its layout, or give each call a layer "
+                    f"of its own.")
+            planned[id(layer)] = split
+    return planned
+
+
+def _from_end(spec, letter):
+    """The (negative) axis of `letter` in an einsum operand spec, counted from its end; None
+    when it is not there or stands before an ellipsis."""
+    tail = spec.split("...")[-1]
+    return tail.index(letter) - len(tail) if letter in tail else None
+
+
+def _plan_layer(layer, layout_map, t):
+    layouts = {}
+    for variable in layer.weights:
+        key, layout = _key_of(layout_map, variable.path)
+        if layout is None:
+            continue
+        axes = tuple(layout.axes)
+        others = sorted({a for a in axes if a is not None and a != MODEL_AXIS})
+        if others:
+            raise PlacementError(
+                f"The layout map's key {key!r} lays out {variable.path} over mesh axes "
+                f"{others}: a tensor-parallel pipeline splits weights over the {MODEL_AXIS!r} "
+                f"axis only (the data and pipe axes are the strategy's replicas and stages). "
+                f"Use None or {MODEL_AXIS!r} in the layout.")
+        if MODEL_AXIS in axes:
+            layouts[id(variable)] = (variable, key, axes)
+    if not layouts:
+        return None
+    first_key = next(iter(layouts.values()))[1]
+    spec = keras_tp.einsum_spec(layer)
+    if spec is None:
+        raise PlacementError(
+            f"The layout map's key {first_key!r} splits a weight of layer {layer.name!r} "
+            f"({type(layer).__name__}) over {MODEL_AXIS!r}, but a tensor-parallel pipeline "
+            f"splits Dense and EinsumDense layers only (column: a kernel axis that is an "
+            f"output axis, e.g. (None, {MODEL_AXIS!r}) for Dense; row: a contracted one, "
+            f"({MODEL_AXIS!r}, None)). Drop that layout, or use keras.layers.Dense there.")
+    why = keras_tp.refusal(layer)
+    if why:
+        raise PlacementError(f"Layer {layer.name!r} cannot be split by the layout map (key "
+                             f"{first_key!r}): {why}. Drop its layout, or that setting.")
+    inputs, kernel_spec, outputs, bias_spec = spec
+    kernel, bias = layer.kernel, layer.bias
+    if id(kernel) not in layouts:
+        _, key, _ = layouts[id(bias)]
+        raise PlacementError(
+            f"The layout map's key {key!r} splits the bias of layer {layer.name!r} but not its "
+            f"kernel: split the kernel, (None, {MODEL_AXIS!r}), and its bias follows.")
+    _, key, axes = layouts[id(kernel)]
+    split_at = [i for i, a in enumerate(axes) if a == MODEL_AXIS]
+    letter = kernel_spec[split_at[0]] if len(axes) == len(kernel_spec) else None
+    out_axis = in_axis = None
+    if letter is not None and len(split_at) == 1:
+        if letter in outputs and letter not in inputs:
+            out_axis = _from_end(outputs, letter)
+        elif letter in inputs and letter not in outputs:
+            in_axis = _from_end(inputs, letter)
+    if out_axis is None and in_axis is None:
+        raise PlacementError(
+            f"The layout map's key {key!r} gives the kernel of {type(layer).__name__} layer "
+            f"{layer.name!r} the layout {axes}: a tensor-parallel pipeline splits one kernel "
+            f"axis over {MODEL_AXIS!r}, one that is an output axis (column: (None, "
+            f"{MODEL_AXIS!r}) for Dense) or a contracted input axis (row: ({MODEL_AXIS!r}, "
+            f"None)), after any '...'.")
+    kind, what = (COLUMN, "output units") if out_axis is not None else (ROW, "input features")
+    size = kernel.shape[split_at[0]]
+    if size % t:
+        raise PlacementError(
+            f"The layout map's key {key!r} splits {type(layer).__name__} layer "
+            f"{layer.name!r} by {what} ({size}) over tensor_parallel={t} devices, which does "
+            f"not divide them. Use a tensor_parallel that divides {size}, or other units.")
+    bias_layout = layouts.get(id(bias)) if bias is not None else None
+    if bias_layout is not None and kind == ROW:
+        raise PlacementError(
+            f"The layout map's key {bias_layout[1]!r} splits the bias of layer "
+            f"{layer.name!r}, a row layer (its kernel split along a contracted axis) whose "
+            f"bias is added once, after the partial products are summed. Drop the bias "
+            f"layout.")
+    split = [(kernel, split_at[0])]
+    if kind == COLUMN and bias is not None and letter in keras_tp.bias_letters(layer):
+        split.append((bias, bias_spec.index(letter)))
+    elif bias_layout is not None:
+        raise PlacementError(
+            f"The layout map's key {bias_layout[1]!r} splits the bias of layer "
+            f"{layer.name!r}, which has no {letter!r} axis to split: drop the bias layout.")
+    return SplitLayer(layer, kind, key, tuple(split), out_axis, in_axis)
+
+
+def communication_of(devices):
+    """How a stage's reductions run over its T `devices`: "nccl" on GPUs, else
+    "reduce_to_one" (an add on the first device)."""
+    return select_communication(
+        "auto", [devices_lib.device_type(d) for d in devices],
+        physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
+
+
+def reduce_sum(parts, devices, communication, name):
+    """The sum of `parts` (part t on devices[t]) on devices[0]."""
+    with tf.device(devices[0]):
+        if communication == "nccl":
+            return tf.raw_ops.NcclReduce(input=list(parts), reduction="sum", name=name)
+        return tf.add_n(list(parts), name=name)
+
+
+def _copies(x, devices):
+    copies = []
+    for device in devices:
+        with tf.device(device):
+            copies.append(tf.identity(x))
+    return copies
+
+
+def copy_to_shards(x, devices, communication):
+    """Megatron's f: x on every device; in the backward pass, the sum of their gradients."""
+
+    @tf.custom_gradient
+    def copy(x):
+        def gradient(*upstream):
+            grads = [u if u is not None else tf.zeros_like(x) for u in upstream]
+            return reduce_sum(grads, devices, communication, BACKWARD_REDUCTION)
+
+        return _copies(x, devices), gradient
+
+    return copy(x)
+
+
+def sum_of_shards(parts, devices, communication):
+    """Megatron's g: the sum of the partial results; in the backward pass, its gradient
+    copied to every device."""
+
+    @tf.custom_gradient
+    def total(*parts):
+        def gradient(upstream):
+            return _copies(upstream, devices)
+
+        return reduce_sum(parts, devices, communication, FORWARD_REDUCTION), gradient
+
+    return total(*parts)
+
+
+def _input_of(args, kwargs):
+    return args[0] if args else kwargs["inputs"]
+
+
+def _gathered(split_value, devices):
+    with tf.device(devices[0]):
+        return tf.concat(split_value.parts, split_value.axis, name=GATHER)
+
+
+def column_call(split, shards, stage_devices, keep_split):
+    """The call of a column layer: a `Split` of its output when `keep_split`."""
+    layer, kernels = split.layer, shards[0]
+    biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
+
+    def call(args, kwargs, training):
+        del training
+        devices, communication = stage_devices()
+        x = _input_of(args, kwargs)
+        if isinstance(x, Split):
+            x = _gathered(x, devices)
+        copies = copy_to_shards(x, devices, communication)
+        parts = Split([placed_call(functools.partial(keras_tp.column_shard, layer, k, b), d, c)
+                       for k, b, d, c in zip(kernels, biases, devices, copies)], split.out_axis)
+        return parts if keep_split else _gathered(parts, devices)
+
+    return call
+
+
+def row_call(split, shards, stage_devices):
+    """The call of a row layer, on a `Split` input or a whole one."""
+    layer, kernels = split.layer, shards[0]
+
+    def call(args, kwargs, training):
+        del training
+        devices, communication = stage_devices()
+        x = _input_of(args, kwargs)
+        if isinstance(x, Split) and x.axis == split.in_axis:
+            slices = x.parts
+        else:
+            if isinstance(x, Split):
+                x = _gathered(x, devices)
+            slices = []
+            for part, device in zip(tf.split(x, len(devices), split.in_axis), devices):
+                with tf.device(device):
+                    slices.append(tf.identity(part))
+        partials = [placed_call(functools.partial(keras_tp.row_shard, layer, k), d, s)
+                    for k, d, s in zip(kernels, devices, slices)]
+        y = sum_of_shards(partials, devices, communication)
+        with tf.device(devices[0]):
+            return keras_tp.bias_and_activation(layer, y)
+
+    return call
+
+
+def _sole_consumer(node, program, stage):
+    """The node of `stage` that alone reads `node`'s output (not the stage's output)."""
+    output = node.outputs[0]
+    if stage.output_tensor is output or len(node.outputs) != 1:
+        return None
+    readers = [n for s in program.stages for n in s.nodes
+               if any(t is output for t in n.input_tensors)]
+    if len(readers) != 1 or readers[0] not in stage.nodes:
+        return None
+    if any(t is output for t in program.graph.outputs):
+        return None
+    return readers[0]
+
+
+def make_shards(variable, axis, homes, whole_device):
+    """Keeps `variable` as len(homes) shards along `axis`, shard t with its copies on
+    `homes[t]` (one device per replica); returns the shards (Keras variables)."""
+    value = keras_tp.initial_value(variable)
+    shards = []
+    for t, (part, home) in enumerate(zip(tf.split(value, len(homes), axis), homes)):
+        with variable_birth.variable_home(home):
+            shards.append(keras_tp.shard_variable(variable, part, t))
+    keras_tp.store_as_shards(variable, keras_tp.ShardedStorage(
+        shards, axis, variable.shape, variable.dtype, whole_device))
+    return tuple(shards)
+
+
+def split_program(program, planned, shard_homes, stage_devices):
+    """Gives each planned layer's split variables their shards and the program the split
+    calls. `shard_homes(stage_index)`: for each of the stage's T devices, its device in
+    every replica; `stage_devices(stage_index)`: () -> (this replica's T devices of the
+    stage, their communication), asked while a step is built. Returns the stages with
+    their variables replaced by shards."""
+    stages = []
+    for stage in program.stages:
+        homes = shard_homes(stage.index)
+        split_ids = set()
+        for layer in stage.layers:
+            split = planned.get(id(layer))
+            if split is None:
+                continue
+            shards = []
+            for variable, axis in split.split_variables:
+                made = make_shards(variable, axis, homes, homes[0][0])
+                program.substitutes[id(variable)] = made
+                split_ids.add(id(variable))
+                shards.append(made)
+            node = next(n for n in stage.nodes if n.operation is layer)
+            devices = functools.partial(stage_devices, stage.index)
+            if split.kind == COLUMN:
+                reader = _sole_consumer(node, program, stage)
+                read_by = planned.get(id(reader.operation)) if reader is not None else None
+                keep = (read_by is not None and read_by.kind == ROW
+                        and read_by.in_axis == split.out_axis)
+                program.calls[id(node)] = column_call(split, shards, devices, keep)
+            else:
+                program.calls[id(node)] = row_call(split, shards, devices)
+        stages.append(dataclasses.replace(
+            stage,
+            trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
+            placed_variables=tuple(v for v in stage.placed_variables if id(v) not in split_ids)))
+    return tuple(stages)

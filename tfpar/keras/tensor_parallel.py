@@ -1,0 +1,182 @@
+"""Keras variables whose storage is split over devices (tensor parallelism): the Keras side.
+
+A tensor-parallel pipeline stage (`tfpar.distribute.pipeline.tensor_parallel`) keeps a
+split layer's kernel as T shards, each a Keras variable of its own on one device. The
+layer's own variable stays what Keras, the user and checkpoints see (same object, name,
+path and shape); its storage becomes a `ShardedStorage` over the shards: a read gives the
+whole value (the shards concatenated), a write (`load_weights`, `set_weights`, a restored
+checkpoint) divides the value over the shards. Training reads and updates the shards
+directly: the optimizer is built for them.
+
+What Keras does in a layer's `__call__` around `call` (input casting, masks, activity
+regularizers) is not done by a split call: `refusal` names the layers that need it.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar.keras import internals
+from tfpar.keras import variable_birth
+
+
+class ShardedStorage:
+    """The storage of a Keras variable held as shards (Keras variables) along `axis`."""
+
+    def __init__(self, shards, axis, shape, dtype, device):
+        self.shards = tuple(shards)
+        self.axis = axis
+        self.shape = tf.TensorShape(shape)
+        self.dtype = tf.as_dtype(dtype)
+        self.device = device  # Where a whole read is assembled.
+
+    def read_value(self):
+        with tf.device(self.device):
+            return tf.concat([tf.convert_to_tensor(s) for s in self.shards], self.axis)
+
+    def value(self):
+        return self.read_value()
+
+    def numpy(self):
+        return self.read_value().numpy()
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if value.shape != self.shape:
+            raise ValueError(f"Cannot assign a value of shape {value.shape} to a variable of "
+                             f"shape {self.shape} (split into {len(self.shards)} shards).")
+        for shard, part in zip(self.shards, tf.split(value, len(self.shards), self.axis)):
+            shard.assign(part)
+        return self.read_value() if read_value else None
+
+    def __repr__(self):
+        return (f"ShardedStorage(shape={self.shape}, axis={self.axis}, "
+                f"shards={[s.path for s in self.shards]})")
+
+
+def _to_tensor(value, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    tensor = value.read_value()
+    return tensor if dtype is None else tf.cast(tensor, dtype)
+
+
+tf.register_tensor_conversion_function(ShardedStorage, _to_tensor)
+
+
+def initial_value(variable):
+    """The whole value `variable` starts from: its value if it has storage, else what its
+    initializer makes (a variable kept without storage until it is placed)."""
+    if not variable_birth.has_no_storage(variable):
+        return tf.convert_to_tensor(variable)
+    initializer = internals.attr(variable, "_initializer")
+    initializer = getattr(initializer, "initializer", initializer)  # A pending variable's.
+    return tf.convert_to_tensor(initializer(tuple(variable.shape), dtype=variable.dtype))
+
+
+def store_as_shards(variable, storage):
+    """Makes `storage` (a `ShardedStorage`) the storage of `variable`, which had none or
+    whose own storage is dropped."""
+    internals.set_attr(variable, "_value", storage)
+    internals.set_attr(variable, "_initializer", None)  # As Keras' own storage leaves it.
+
+
+def sharded_storage(variable):
+    """The `ShardedStorage` of a Keras variable, or None."""
+    value = internals.attr(variable, "_value")
+    return value if isinstance(value, ShardedStorage) else None
+
+
+def is_layout_map(value):
+    import keras
+
+    return isinstance(value, keras.distribution.LayoutMap)
+
+
+def einsum_spec(layer):
+    """(input, kernel, output, bias) einsum specs of a Dense or EinsumDense layer whose
+    class keeps Keras' own call (Dense: "...i", "io", "...o", "o"), or None for any other
+    layer. The bias spec is the output's from its first biased axis (Keras' bias shape)."""
+    import re
+
+    import keras
+
+    dense, einsum = keras.layers.Dense, keras.layers.EinsumDense
+    if isinstance(layer, dense) and type(layer).call is dense.call:
+        return "...i", "io", "...o", "o"
+    if not (isinstance(layer, einsum) and type(layer).call is einsum.call):
+        return None
+    match = re.fullmatch(r"([a-zA-Z.]+),([a-zA-Z]+)->([a-zA-Z.]+)", layer.equation)
+    if match is None:
+        return None
+    inputs, kernel, outputs = match.groups()
+    letters = bias_letters(layer)
+    bias = outputs[min(outputs.index(c) for c in letters):] if letters else ""
+    return inputs, kernel, outputs, bias
+
+
+def bias_letters(layer):
+    """The output axes a Dense or EinsumDense layer adds its bias along."""
+    if layer.bias is None:
+        return ""
+    return getattr(layer, "bias_axes", None) or "o"
+
+
+def shard_variable(variable, part, index):
+    """A Keras variable holding `part` of `variable` (shard `index`), made where the
+    strategy's `variable_home` in effect says."""
+    import keras
+
+    return keras.Variable(part, dtype=variable.dtype, trainable=variable.trainable,
+                          name=f"{variable.name}_shard{index}")
+
+
+def _product(layer, x, kernel):
+    import keras
+
+    if isinstance(layer, keras.layers.EinsumDense):
+        return keras.ops.einsum(layer.equation, x, kernel)
+    return keras.ops.matmul(x, kernel)
+
+
+def column_shard(layer, kernel, bias, x):
+    """A column shard of a Dense or EinsumDense `layer`'s call: its product of x with a
+    kernel shard, plus `bias` (a shard, or the whole bias when it has no split axis), then
+    the activation."""
+    return bias_and_activation(layer, _product(layer, x, kernel), bias)
+
+
+def row_shard(layer, kernel, x):
+    """A row shard's partial product: the layer's product of an input slice and a kernel
+    shard."""
+    return _product(layer, x, kernel)
+
+
+def bias_and_activation(layer, y, bias=None):
+    """y + bias (the layer's own by default), then the layer's activation."""
+    import keras
+
+    bias = layer.bias if bias is None else bias
+    if bias is not None:
+        y = keras.ops.add(y, bias)
+    return layer.activation(y) if layer.activation is not None else y
+
+
+def refusal(layer):
+    """Why a layer's call cannot be split (what Keras' `__call__` or `call` would do that a
+    split call does not), or None."""
+    if getattr(layer, "lora_enabled", False):
+        return "it has LoRA enabled"
+    if getattr(layer, "quantization_mode", None):
+        return f"it is quantized ({layer.quantization_mode})"
+    policy = layer.dtype_policy
+    if policy.compute_dtype != policy.variable_dtype:
+        return (f"its dtype policy {policy.name!r} computes in another dtype than its "
+                f"variables")
+    for what in ("kernel_constraint", "bias_constraint", "kernel_regularizer",
+                 "bias_regularizer", "activity_regularizer"):
+        if getattr(layer, what, None) is not None:
+            return f"it has a {what}"
+    return None
