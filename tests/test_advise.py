@@ -246,14 +246,7 @@ def test_tensor_parallel_needs_a_pipeline_config():
 ])
 def test_from_advice_names_each_kind(model, devices, budget, hosts, expected):
     advice = advise(model, devices, budget, hosts=hosts)
-    assert factory.from_advice(advice, tensor_parallel_built=True) == expected
-
-
-def test_auto_refuses_tensor_parallelism_that_is_not_built():
-    advice = advise(TWO_WIDE, 8, 15_000)
-    with pytest.raises(factory.AutoError, match=r"data 2 x pipe 2 x model 2 .*does not build "
-                                                r"yet.*--bytes_per_device"):
-        factory.from_advice(advice, tensor_parallel_built=False)
+    assert factory.from_advice(advice) == expected
 
 
 def test_auto_refuses_when_nothing_fits():

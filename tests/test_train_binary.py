@@ -60,8 +60,17 @@ def test_auto_trains_the_layout_the_advisor_names():
     assert _final(output)[3] == 1
 
 
+def test_auto_trains_tensor_parallelism_when_only_it_fits():
+    """At 300000 B per device only tensor parallelism over the 2 devices fits: the binary
+    splits its hidden layers Megatron's way (`train.megatron_layout_map`)."""
+    code, output = _train("--strategy=auto", "--bytes_per_device=300000", "--epochs=1")
+    assert code == 0, output[-3000:]
+    assert "Degrees: data=1 pipe=1 model=2 zero=0" in output
+    assert "tfpar.train: PipelineStrategy on 2 logical CPUs" in output
+    assert _final(output)[3] == 1
+
+
 @pytest.mark.parametrize("budget,message", [
-    ("300000", r"data 1 x pipe 1 x model 2 .*does not build yet"),  # Only TP=2 fits.
     ("100000", r"no layout fits.*smallest shortfall"),
     ("lots", r"--bytes_per_device: Cannot read 'lots'"),
 ])

@@ -7,15 +7,14 @@ class AutoError(ValueError):
     """`--strategy=auto` cannot build what the advisor chose (or nothing fits)."""
 
 
-def from_advice(advice, tensor_parallel_built=None):
+def from_advice(advice):
     """The `make_strategy` name and keyword arguments of the layout `advice`
     (`tfpar.plan.advise`) chose: ("data", {"shard": ...}) for data parallelism and ZeRO,
     ("pipeline", {"num_stages", "num_replicas", "shard"[, "tensor_parallel"]}) for a
-    pipeline (with data parallelism over its replicas) or tensor parallelism.
+    pipeline (with data parallelism over its replicas) or tensor parallelism (the caller
+    adds the `layout_map` of its model).
 
-    An `AutoError` when nothing fits, or when the layout needs tensor parallelism and
-    `PipelineStrategy` has no `tensor_parallel` (`tensor_parallel_built`; None: look):
-    `auto` never trains a layout other than the one that fits.
+    An `AutoError` when nothing fits: `auto` never trains a layout that does not.
 
     >>> from tfpar.plan import advise
     >>> from_advice(advise(1000, 4, 10_000))
@@ -29,25 +28,8 @@ def from_advice(advice, tensor_parallel_built=None):
         return "data", {"shard": shard}
     kwargs = {"num_stages": chosen.pipe, "num_replicas": chosen.data, "shard": shard}
     if chosen.model > 1:
-        if tensor_parallel_built is None:
-            tensor_parallel_built = _pipeline_has_tensor_parallel()
-        if not tensor_parallel_built:
-            raise AutoError(
-                f"--strategy=auto: the layout that fits is data {chosen.data} x pipe "
-                f"{chosen.pipe} x model {chosen.model} ({chosen.strategy}): tensor parallelism "
-                f"inside each stage, which this tfpar's PipelineStrategy does not build yet "
-                f"(no tensor_parallel argument). Nothing simpler fits: give more memory per "
-                f"device (--bytes_per_device) or more devices, or choose --strategy yourself.")
         kwargs["tensor_parallel"] = chosen.model
     return "pipeline", kwargs
-
-
-def _pipeline_has_tensor_parallel():
-    import inspect
-
-    from tfpar.distribute.pipeline.strategy import PipelineStrategy
-
-    return "tensor_parallel" in inspect.signature(PipelineStrategy).parameters
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
@@ -60,7 +42,8 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     "pipeline" is `PipelineStrategy` on one host, or, on the chief of a TF_CONFIG cluster
     without ps tasks (`tfpar launch --workers N --coordinator`), one stage per worker task
     (`num_devices` does not apply); `pipeline` is a dict of its keyword arguments
-    (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages, shard).
+    (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages, shard,
+    tensor_parallel, layout_map).
     `shard`: for "data", the ZeRO stage's name (`DataParallelStrategy(shard=...)`).
     "auto" is resolved by the caller (`from_advice`), not here.
 

@@ -76,10 +76,26 @@ def build_model(source, seed=0):
     keras.utils.set_random_seed(seed)
     inputs = keras.Input(source.input_shape)
     x = keras.layers.Flatten()(inputs) if len(source.input_shape) > 1 else inputs
-    for width in WIDTHS:
-        x = keras.layers.Dense(width, activation="relu")(x)
+    for i, width in enumerate(WIDTHS):
+        x = keras.layers.Dense(width, activation="relu", name=f"hidden_{i}")(x)
     outputs = keras.layers.Dense(source.num_classes)(x)
     return keras.Model(inputs, outputs)
+
+
+def megatron_layout_map():
+    """`build_model`'s hidden layers split Megatron's way over the "model" axis: even
+    layers by output units (column), odd ones by inputs (row), so a column layer's
+    output reaches the next row layer split. For `PipelineStrategy(tensor_parallel=T)`."""
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(None)
+    for i in range(len(WIDTHS)):
+        if i % 2 == 0:
+            layout_map[f".*hidden_{i}/kernel"] = (None, "model")
+            layout_map[f".*hidden_{i}/bias"] = ("model",)
+        else:
+            layout_map[f".*hidden_{i}/kernel"] = ("model", None)
+    return layout_map
 
 
 def model_layers(input_shape, num_classes, batch_size, dtype_bytes=4):
@@ -186,8 +202,8 @@ def callbacks_for(model_dir, log_dir):
 
 def _devices_of(strategy):
     """The devices `strategy` trains on, or None (a TF_CONFIG cluster's are its tasks')."""
-    if hasattr(strategy, "stage_devices"):
-        return [d for row in strategy.stage_devices for d in row]
+    if hasattr(strategy, "tensor_parallel_devices"):
+        return [d for row in strategy.tensor_parallel_devices for stage in row for d in stage]
     devices = getattr(strategy, "devices", None) or getattr(strategy.extended,
                                                              "worker_devices", None)
     return list(devices) if devices else None
@@ -240,6 +256,8 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
         advice = auto_advice(dataset, data_dir, num_devices, batch_size, bytes_per_device)
         print(advice.explain(), end="", flush=True)
         strategy_name, chosen = factory.from_advice(advice)
+        if chosen.get("tensor_parallel", 1) > 1:
+            chosen["layout_map"] = megatron_layout_map()
         if strategy_name == "pipeline":
             pipeline = {**(pipeline or {}), **chosen}
         else:
