@@ -224,14 +224,14 @@ class _DataParallelExtended(tf_runtime.mirrored_extended()):
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
-        if not sharded.colocates_with_owned(self._container_strategy(), colocate_with_variable):
+        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
             super()._validate_colocate_with_variable(colocate_with_variable)
 
     def _create_variable(self, next_creator, **kwargs):
         # Under shard=..., state made for a trainable variable (Keras' optimizer slots,
         # made next to their variable) lives on the variable's owner only, and under
         # shard="parameters" so does the trainable variable itself.
-        strategy = self._container_strategy()
+        strategy = tf_runtime.container_strategy(self)
         owned = sharded.on_owner(strategy, next_creator, kwargs,
                                  tf_runtime.replica_devices(self), 0)
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)

@@ -408,7 +408,8 @@ class _ModelParallelExtended(tf_runtime.one_device_extended()):
         # Optimizer updates run where the variable lives, not on the first device.
         with tf.device(var.device), tf_runtime.update_context(tf_runtime.one_device(self)):
             result = fn(var, *args, **kwargs)
-            return result if group else tf.nest.map_structure(self._local_results, result)
+            return result if group else tf.nest.map_structure(
+                lambda value: tf_runtime.local_results(self, value), result)
 
     def _move_optimizer_state(self, optimizer, moved):
         """Moves optimizer state already built for moved variables next to them."""

@@ -135,14 +135,14 @@ class MultiWorkerExtended(tf_runtime.collective_all_reduce_extended()):
         return super()._experimental_distribute_dataset(dataset, options)
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
-        if not sharded.colocates_with_owned(self._container_strategy(), colocate_with_variable):
+        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
             super()._validate_colocate_with_variable(colocate_with_variable)
 
     def _create_variable(self, next_creator, **kwargs):
         # Under shard=..., optimizer state (and under shard="parameters" the trainable
         # variable) lives on its owner replica's worker only (tfpar.distribute.sharded);
         # the other workers hold an empty stand-in.
-        strategy = self._container_strategy()
+        strategy = tf_runtime.container_strategy(self)
         first = tf_runtime.first_local_replica(self)
         owned = sharded.on_owner(strategy, next_creator, kwargs, self.worker_devices, first)
         return owned if owned is not None else super()._create_variable(next_creator, **kwargs)

@@ -166,6 +166,8 @@ ATTRIBUTES = {
     "_cross_device_ops": "MirroredExtended",
     "_communication_options": "MirroredExtended",
     "_devices": "MirroredExtended",
+    "_container_strategy": "tf.distribute.StrategyExtended",
+    "_local_results": "tf.distribute.StrategyExtended",
     "_device": "OneDeviceExtended",
     "_num_replicas_in_sync": "CollectiveAllReduceExtended",
     "_cluster": "ClusterCoordinator (its workers)",

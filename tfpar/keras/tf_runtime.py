@@ -45,6 +45,17 @@ def collective_keys(extended):
     return internals.attr(extended, "_collective_keys")
 
 
+def container_strategy(extended):
+    """The strategy an extended belongs to."""
+    return internals.attr(extended, "_container_strategy")()
+
+
+def local_results(extended, value):
+    """The values of a distributed `value` on this worker's replicas (the extended's own
+    `experimental_local_results`)."""
+    return internals.attr(extended, "_local_results")(value)
+
+
 def replica_devices(extended):
     """The devices of a mirrored extended's replicas (on this worker), canonical."""
     return internals.attr(extended, "_devices")

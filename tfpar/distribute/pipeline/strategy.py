@@ -848,15 +848,15 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
-        if not sharded.colocates_with_owned(self._container_strategy(), colocate_with_variable):
+        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
             super()._validate_colocate_with_variable(colocate_with_variable)
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
         home = variable_birth.current_variable_home()  # Where tfpar says it is born.
         if (home is None and colocate_with is None and kwargs.get("trainable", True)
-                and self._container_strategy()._tfpar_shard_stage == 3):
-            home = self._container_strategy()._default_home  # (A variable of no layer.)
+                and tf_runtime.container_strategy(self)._tfpar_shard_stage == 3):
+            home = tf_runtime.container_strategy(self)._default_home  # (A variable of no layer.)
         copies = None
         if colocate_with is None and home is not None:
             # MirroredExtended makes one copy per device of what it colocates with.
@@ -864,7 +864,7 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
                                else home))
         # Under shard=...: optimizer state on its variable's owner among the stage's
         # devices; under shard="parameters", a trainable variable on its owner only.
-        owned = sharded.on_owner(self._container_strategy(), next_creator, kwargs,
+        owned = sharded.on_owner(tf_runtime.container_strategy(self), next_creator, kwargs,
                                  copies, 0)
         if owned is not None:
             return owned
