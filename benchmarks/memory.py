@@ -408,5 +408,11 @@ def _print(config, figures):
               f"{f.get('oom_kills', '-')}", flush=True)
 
 
+def _exit_on_sigterm(signum, frame):
+    # As on Ctrl-C: run_config's cleanup (stop its processes, remove their cgroups) runs.
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     main()
