@@ -4,7 +4,7 @@ Each configuration trains the same model (by default the 100.7M-parameter MLP of
 memory issue: 24 x Dense(2048, tanh) + a 10-way head, SGD with momentum, global batch 16)
 for 2 steps, with one process per device: a single process, or 2 worker processes of a
 TF_CONFIG cluster on 127.0.0.1 (data parallelism, ZeRO-1/2/3; a pipeline's 2 stages on
-2 `tfpar.server` workers with its chief beside them). Every process runs in a memory
+2 `tfpar.cluster.server` workers with its chief beside them). Every process runs in a memory
 cgroup of its own where the machine allows it (root and the v1 memory controller at
 /sys/fs/cgroup/memory), capped with --cap (bytes, or a fraction f: base + f x what one
 process needs beyond the base). Per process it records:
@@ -50,7 +50,7 @@ SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 EXAMPLE_STRATEGY = {"one": "one", "data2": "data", "zero1": "zero1", "zero2": "zero2",
                     "zero3": "zero3", "pipeline2": "pipeline", "remat2": "pipeline",
                     "offload2": "pipeline", "model2": "model"}
-# A pipeline's 2 stages on 2 tfpar.server workers, its chief beside them.
+# A pipeline's 2 stages on 2 tfpar.cluster.server workers, its chief beside them.
 PIPELINES = ("pipeline2", "model2", "remat2", "offload2")  # A chief and 2 served workers.
 # remat2 / offload2: a pipeline with remat, its stage inputs kept on the stage worker or
 # offloaded to the chief, on a model whose kept activations dominate (--offload_shape).
@@ -231,7 +231,7 @@ def run_config(config, args, limit, workdir):
             env["TF_CONFIG"] = tf_config
         result = os.path.join(workdir, f"{config}-{task}.json")
         serving = config in PIPELINES and task.startswith("worker")
-        command = ([sys.executable, "-m", "tfpar.server"] if serving else
+        command = ([sys.executable, "-m", "tfpar.cluster.server"] if serving else
                    [sys.executable, os.path.abspath(__file__), "--role=task",
                     f"--config={config}", f"--result={result}", f"--width={args.width}",
                     f"--layers={args.layers}", f"--offload_shape={args.offload_shape}"])
@@ -256,7 +256,7 @@ def run_config(config, args, limit, workdir):
     finally:
         for task, (process, group, result, serving, log) in procs.items():
             if task not in figures:
-                # A server prints its peaks on SIGTERM (tfpar.server); anything else left
+                # A server prints its peaks on SIGTERM (tfpar.cluster.server); anything else left
                 # running timed out.
                 figures[task] = dict(_stop(process, signal.SIGTERM if serving else None),
                                      stopped="served" if serving else "timed out")

@@ -76,7 +76,7 @@ def run_cluster(args, mode, workers, straggler):
             config = ClusterConfig(cluster, job, i)
             # One thread per op: each worker computes on about one core.
             tasks[config.task_name] = Task(
-                config, [sys.executable, "-m", "tfpar.server", "--intra_op_threads=1"],
+                config, [sys.executable, "-m", "tfpar.cluster.server", "--intra_op_threads=1"],
                 env, lines.append)
     command = [sys.executable, __file__, "--role=chief", f"--mode={mode}",
                f"--steps={args.steps}", f"--batch={args.batch}", f"--width={args.width}",

@@ -43,14 +43,14 @@ these CPUs.
     python benchmarks/pipeline.py --schedules [--micro_batch 1024] [--rounds 5]
 
 With `--schedules --processes`, the same comparison with each stage on its own process, as
-the schedules assume: 2 worker servers on 127.0.0.1 (`tfpar.server`, one thread per op),
+the schedules assume: 2 worker servers on 127.0.0.1 (`tfpar.cluster.server`, one thread per op),
 worker i pinned to core i (CPU affinity), this process their chief. A stage's idle time is
 then its core's: each worker's CPU time over the steps (from /proc) is measured, and the
 ceiling is two single-thread streams, one per worker, in the same run. Each worker runs
 two ops at a time on its core: with one inter-op thread a stage sent each activation only
 after its next action (measured in a profile of the workers; 1F1B then took 1.45x longer).
 One step of each schedule is traced across the processes (`PipelineStrategy.trace` with
-each worker's profiler server, `tfpar.server --profiler_port`): pictures
+each worker's profiler server, `tfpar.cluster.server --profiler_port`): pictures
 `pipeline_processes_*.png`. Writes pipeline_schedules_processes.json.
 
     python benchmarks/pipeline.py --schedules --processes [--rounds 5]
@@ -293,7 +293,7 @@ def start_stage_workers(count):
 
 WORKER_OUTPUT = []  # The worker servers' lines, printed if the run fails.
 PINNED_SERVER = ("import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.executable, "
-                 "[sys.executable, '-m', 'tfpar.server', '--intra_op_threads=1', "
+                 "[sys.executable, '-m', 'tfpar.cluster.server', '--intra_op_threads=1', "
                  "'--profiler_port={port}'])")
 
 

@@ -16,7 +16,7 @@ import time
 from tfpar.cluster.launcher import REUSE_PORT_ENV, PortReservation, Task, cluster_jobs, make_cluster
 from tfpar.cluster.tf_config import ClusterConfig
 
-SERVER = (sys.executable, "-m", "tfpar.server")
+SERVER = (sys.executable, "-m", "tfpar.cluster.server")
 
 
 def alive(pid):
@@ -117,7 +117,7 @@ class Cluster:
             self.tasks[config.task_name] = Task(config, [sys.executable, *args], env, self._collect)
 
     def start_servers(self):
-        """`python -m tfpar.server` for every worker and ps task."""
+        """`python -m tfpar.cluster.server` for every worker and ps task."""
         for job in ("worker", "ps"):
             for i in range(len(self.cluster.get(job, ()))):
                 self.start(SERVER[1:], job, i)

@@ -138,8 +138,8 @@ def test_plan_imports_only_plan_the_contract_and_the_errors():
 
 # Keras is imported by the seam, the Keras layers and the programs; the runtime asks the
 # seam (tfpar.keras.models, .steps, .mesh, ...) instead.
-KERAS_IMPORTERS = ["tfpar.keras", "tfpar.layers", "tfpar.train", "tfpar.cli", "tfpar.launch",
-                   "tfpar.server", "tfpar.data_service", "tfpar.factory", "tfpar.data"]
+KERAS_IMPORTERS = ["tfpar.keras", "tfpar.layers", "tfpar.cli.train", "tfpar.cli", "tfpar.cli.launch",
+                   "tfpar.cluster.server", "tfpar.cluster.data_service", "tfpar.cli.factory", "tfpar.data"]
 
 
 def keras_importers_outside_the_seam(imports):
@@ -157,17 +157,17 @@ def test_a_stray_keras_import_is_caught(tmp_path):
     """A function-local `import keras` in the runtime is caught; one in a docstring is not."""
     module = tmp_path / "model_parallel.py"
     module.write_text('"""\n>>> import keras\n"""\n\ndef f():\n    import keras.layers\n')
-    imported = imported_modules("tfpar.distribute.model_parallel", module, _modules())
-    assert keras_importers_outside_the_seam({"tfpar.distribute.model_parallel": imported}) == [
-        "tfpar.distribute.model_parallel: keras.layers"]
+    imported = imported_modules("tfpar.distribute.model_parallel.model_parallel_strategy", module, _modules())
+    assert keras_importers_outside_the_seam({"tfpar.distribute.model_parallel.model_parallel_strategy": imported}) == [
+        "tfpar.distribute.model_parallel.model_parallel_strategy: keras.layers"]
     module.write_text('"""\n>>> import keras\n"""\n')
-    imported = imported_modules("tfpar.distribute.model_parallel", module, _modules())
-    assert not keras_importers_outside_the_seam({"tfpar.distribute.model_parallel": imported})
+    imported = imported_modules("tfpar.distribute.model_parallel.model_parallel_strategy", module, _modules())
+    assert not keras_importers_outside_the_seam({"tfpar.distribute.model_parallel.model_parallel_strategy": imported})
 
 
 # The seam never imports the strategies' runtime: the runtime hands the seam what it needs
 # (hooks declared in tfpar.contract, or objects given to an install function, as
-# tfpar.use_keras_distribution gives tfpar.keras.mesh its DTensor runtime).
+# tfpar.use_keras_distribution gives tfpar.keras.keras_distribution its DTensor runtime).
 def test_the_seam_does_not_import_the_runtime():
     edges = sorted(f"{module}: {m}" for module, imported in _imports_of(["tfpar.keras"]).items()
                    for m in imported if _within(m, ["tfpar.distribute"]))

@@ -46,9 +46,9 @@ class StrategyHooks:
     _tfpar_every_worker_saves = False
     # Made by tfpar for a keras.distribution.DataParallel (tfpar.use_keras_distribution).
     _tfpar_from_keras = False
-    # ZeRO's owners of each variable's state (`tfpar.distribute.sharded.ShardOwners`).
+    # ZeRO's owners of each variable's state (`tfpar.distribute.zero.zero_sharding.ShardOwners`).
     _tfpar_shard_owners = None
-    # ZeRO's collectives across workers (`tfpar.distribute.sharded.ShardCollectives`).
+    # ZeRO's collectives across workers (`tfpar.distribute.zero.zero_sharding.ShardCollectives`).
     _tfpar_shard_collectives = None
 
     # -- Asked at given points (None: Keras' own behaviour) ---------------------------------
@@ -88,7 +88,7 @@ class StrategyHooks:
     # tensor-parallel pipeline: each split variable's shards in its place).
     _tfpar_optimizer_variables = None
     # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
-    # loss counts until they are summed (`tfpar.distribute.ps_sync.SyncGradients`).
+    # loss counts until they are summed (`tfpar.distribute.parameter_server.ps_sync.SyncGradients`).
     _tfpar_sync_gradients = None
 
 

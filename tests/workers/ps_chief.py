@@ -55,8 +55,8 @@ def _spirals_model(strategy, seed=0, decay_steps=None):
     over them, so the last epoch's weights settle instead of riding async noise."""
     import keras
 
-    from tfpar.train import build_model
     from tfpar import data
+    from tfpar.cli.train import build_model
 
     source = data.load("spirals", "train", seed=seed)
     with strategy.scope():

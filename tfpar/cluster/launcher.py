@@ -3,7 +3,7 @@
 Without parameter servers every worker runs the user's command (worker 0 is the
 chief). With parameter servers, or with `coordinator=True` (a pipeline whose stages live
 on the workers), a chief runs the command and the workers and ps tasks run
-`python -m tfpar.server`. Each output line is prefixed with its task;
+`python -m tfpar.cluster.server`. Each output line is prefixed with its task;
 when a task that matters fails, the others are stopped and its exit code returned.
 Nothing outlives the launcher: each task has a parent-death signal, and a watchdog
 (`tfpar.cluster.watchdog`) kills the tasks' process groups if the launcher dies.
@@ -17,7 +17,7 @@ Two options:
   worker back, or a coordinator whose workers hold pipeline stages), the whole job is
   started again after a task fails, at most N times; it resumes from the chief's last
   `BackupAndRestore` backup, which the chief broadcasts (collective training) or holds.
-- `data_service=True`: a tf.data service for the run (`python -m tfpar.data_service`): one
+- `data_service=True`: a tf.data service for the run (`python -m tfpar.cluster.data_service`): one
   dispatcher and one tf.data service worker per training worker, on free ports of the same
   host; every cluster task gets the dispatcher's address in `TFPAR_DATA_SERVICE`
   (`grpc://host:port`). If the dispatcher dies, all tasks are stopped with its exit code.
@@ -35,12 +35,12 @@ import threading
 import time
 
 from tfpar.cluster import memory_cgroup
+from tfpar.cluster.data_service import DATA_SERVICE_ENV
 from tfpar.cluster.tf_config import ClusterConfig
-from tfpar.data_service import DATA_SERVICE_ENV
 
-SERVER_COMMAND = (sys.executable, "-m", "tfpar.server")
+SERVER_COMMAND = (sys.executable, "-m", "tfpar.cluster.server")
 TIMEOUT_EXIT_CODE = 124  # As coreutils' `timeout`.
-DATA_SERVICE_COMMAND = (sys.executable, "-m", "tfpar.data_service")
+DATA_SERVICE_COMMAND = (sys.executable, "-m", "tfpar.cluster.data_service")
 WATCHDOG_COMMAND = (sys.executable, "-m", "tfpar.cluster.watchdog")
 
 
@@ -221,7 +221,7 @@ class Launcher:
       workers, ps, host: the cluster (see `make_cluster`).
       grace_seconds: between SIGTERM and SIGKILL when stopping.
       server_command: what worker and ps tasks run when there is a chief
-        (`python -m tfpar.server`).
+        (`python -m tfpar.cluster.server`).
       env: the environment of the tasks (default: this process's).
       output: called with every prefixed output line (default: print).
       report_seconds: after a ps (or, with `coordinator`, a worker) dies, how long the

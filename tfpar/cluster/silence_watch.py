@@ -35,7 +35,7 @@ def message(name, address, holds, seconds):
             f"{seconds:.0f} s: its process is stopped or hung, or the network drops its "
             f"packets. TensorFlow would wait for it without end (its remote calls have no "
             f"deadline), so this process is ended (SIGTERM). Restart that worker (`python -m "
-            f"tfpar.server` with its TF_CONFIG) and run the program again: with "
+            f"tfpar.cluster.server` with its TF_CONFIG) and run the program again: with "
             f"keras.callbacks.BackupAndRestore it resumes from the last backup (`tfpar launch "
             f"--coordinator --max_restarts N` does both). PipelineStrategy("
             f"stage_timeout_seconds=...) sets the wait.")

@@ -13,7 +13,7 @@ Every srun task runs `tfpar launch --slurm -- python train.py`. This module
    launcher; its exit code is returned.
 
 Parameter servers are refused: a Slurm step ends when all its tasks end, and worker and ps
-servers (`python -m tfpar.server`) serve until killed, so a step would outlive its training.
+servers (`python -m tfpar.cluster.server`) serve until killed, so a step would outlive its training.
 """
 
 import dataclasses

@@ -194,7 +194,7 @@ def check_pipeline_cluster(config):
     from the process that runs the program.
 
     The program runs on the chief (a cluster spec without a 'chief' job is accepted: the
-    program joins it as its chief); each worker task serves (`python -m tfpar.server`) and
+    program joins it as its chief); each worker task serves (`python -m tfpar.cluster.server`) and
     runs the stages placed on its devices.
 
     Raises:
@@ -209,7 +209,7 @@ def check_pipeline_cluster(config):
 def _check_coordinated_cluster(config, training, jobs, launch, servers):
     """The checks shared by clusters whose program runs on the chief alone while the other
     tasks serve: `jobs` {job: why it is needed}, `launch` the command that starts one
-    (general, and an example), `servers` the tasks that run `python -m tfpar.server`."""
+    (general, and an example), `servers` the tasks that run `python -m tfpar.cluster.server`."""
     if config is None:
         *first, last = [f"'{job}'" for job in ("chief", *jobs)]
         raise TFConfigError(
@@ -225,5 +225,5 @@ def _check_coordinated_cluster(config, training, jobs, launch, servers):
     if config.task_type not in (None, "chief"):
         raise TFConfigError(
             f"This process is {config.task_name}, but {training[0].lower()}{training[1:]} "
-            f"runs the program on the chief only. Run `python -m tfpar.server` on "
+            f"runs the program on the chief only. Run `python -m tfpar.cluster.server` on "
             f"{servers} (tfpar launch does this).")

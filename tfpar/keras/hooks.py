@@ -331,8 +331,8 @@ def install_exact_replicas():
 
 def install_sharded_optimizers():
     """Keras optimizers keep and update their state sharded under
-    `DataParallelStrategy(shard=...)` (`tfpar.keras.sharded`). Idempotent."""
-    from tfpar.keras import sharded
+    `DataParallelStrategy(shard=...)` (`tfpar.keras.zero_optimizers`). Idempotent."""
+    from tfpar.keras import zero_optimizers as sharded
 
     for owner, name, wrap in sharded.patches():
         _wrap_once(owner, name, wrap, "_tfpar_sharded")
@@ -340,7 +340,7 @@ def install_sharded_optimizers():
 
 def install_parameter_server_training():
     """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
-    from tfpar.keras import parameter_server as keras_parameter_server
+    from tfpar.keras import ps_loops as keras_parameter_server
 
     for owner, name, wrap in keras_parameter_server.patches():
         _wrap_once(owner, name, wrap, "_tfpar_parameter_server")

@@ -2,8 +2,8 @@
 
 import keras
 
+from tfpar.cluster import memory_probe
 from tfpar.contract import hooks_of
-from tfpar import memory_probe
 
 
 class MemoryPeaks(keras.callbacks.Callback):

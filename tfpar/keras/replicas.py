@@ -437,7 +437,7 @@ def _accumulation_outside_cond(keras_apply):
                         for v in trainable_variables]
         if hooks_of(context.strategy)._tfpar_shard_stage:
             # Sharded state: each owner accumulates its own reduced gradients.
-            from tfpar.keras import sharded
+            from tfpar.keras import zero_optimizers as sharded
             return sharded.accumulate_sharded(self, context.strategy, grads,
                                               trainable_variables, accumulators)
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))

@@ -6,7 +6,7 @@ import warnings
 import keras
 
 from tfpar import devices as devices_lib
-from tfpar.distribute import placement
+from tfpar.distribute.common import placed_call as placement
 from tfpar.errors import DeviceError
 from tfpar.keras import models
 

@@ -5,7 +5,7 @@
 - `workers.py`: stages on the worker processes of a cluster (connecting, a lost worker).
 
 A Keras model cut into stages (which layer calls each stage runs) is Keras glue:
-`tfpar.keras.stages`.
+`tfpar.keras.pipeline_stages`.
 
 Schedules themselves are pure data in `tfpar.plan.schedule`.
 """

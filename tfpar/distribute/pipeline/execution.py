@@ -54,7 +54,7 @@ import contextlib
 
 import tensorflow as tf
 
-from tfpar.distribute.placement import placed_call
+from tfpar.distribute.common.placed_call import placed_call
 from tfpar.keras import models
 from tfpar.keras import replicas
 from tfpar.keras import steps

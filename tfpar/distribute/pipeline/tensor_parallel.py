@@ -35,7 +35,7 @@ import re
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.distribute.placement import placed_call
+from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import PlacementError
 from tfpar.keras import tensor_parallel as keras_tp
 from tfpar.keras import variable_birth

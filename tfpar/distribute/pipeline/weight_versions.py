@@ -21,7 +21,7 @@ weights: the step is an ordinary one. The older version is not saved in checkpoi
 
 import tensorflow as tf
 
-from tfpar.distribute import mirrored_placement
+from tfpar.distribute.pipeline import mirrored_placement
 from tfpar.keras import tf_variables
 from tfpar.keras.replicas import replica_id
 

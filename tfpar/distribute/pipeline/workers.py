@@ -2,7 +2,7 @@
 
 The program runs on the chief, which connects to the cluster with TensorFlow's remote
 eager runtime (`tf.config.experimental_connect_to_cluster`); every worker task only
-serves (`python -m tfpar.server`). A stage placed on a worker's device has its variables
+serves (`python -m tfpar.cluster.server`). A stage placed on a worker's device has its variables
 there and runs there: Keras' step is one `tf.function`, which TensorFlow cuts into one
 part per task, and activations and gradients go from worker to worker over gRPC.
 
@@ -47,7 +47,7 @@ from tfpar.cluster.launcher import _die_with_parent
 from tfpar.cluster.probe import listening, require_reachable
 from tfpar.cluster.silence_watch import tell
 from tfpar.cluster.tf_config import check_pipeline_cluster
-from tfpar.distribute.cluster import cluster_config
+from tfpar.distribute.common.cluster_config import cluster_config
 from tfpar.errors import ClusterError, DeviceError
 from tfpar.keras import tf_runtime
 
@@ -80,7 +80,7 @@ class StageWorkers:
             if not (found["GPU"] or found["CPU"]):
                 raise ClusterError(
                     f"{_task_name(task)} ({self.addresses[task]}) shows no device: is it a "
-                    f"TensorFlow server of this cluster (`python -m tfpar.server` with its "
+                    f"TensorFlow server of this cluster (`python -m tfpar.cluster.server` with its "
                     f"TF_CONFIG)?")
             devices.append((found["GPU"] or found["CPU"])[0])
         return devices
@@ -119,7 +119,7 @@ class StageWorkers:
                 f"trace() records each task's ops with that task's own profiler, and "
                 f"{' and '.join(f'{_task_name(t)} (stages {stages[t]})' for t in missing)} "
                 f"{'has' if len(missing) == 1 else 'have'} none given. Serve each worker with "
-                f"`python -m tfpar.server --profiler_port=P` and pass profilers="
+                f"`python -m tfpar.cluster.server --profiler_port=P` and pass profilers="
                 f"{{{', '.join(repr(_task_name(t)) + ': ' + repr('host:P') for t in missing)}}}.")
         return [given[t] for t in stages]
 
@@ -169,7 +169,7 @@ class StageWorkers:
         return ClusterError(
             f"tfpar.PipelineStrategy lost {'a stage worker' if len(lost) == 1 else 'stage workers'}"
             f": {held}, {what}. The variables of those stages are gone, so training cannot go "
-            f"on. Start the lost worker again (`python -m tfpar.server` with its TF_CONFIG) "
+            f"on. Start the lost worker again (`python -m tfpar.cluster.server` with its TF_CONFIG) "
             f"and run the program again: with keras.callbacks.BackupAndRestore it resumes from "
             f"the last backup (`tfpar launch --coordinator --max_restarts N` does both). "
             f"TensorFlow said: {type(error).__name__}: {_first_line(error)}")
@@ -188,7 +188,7 @@ def connect(cluster_resolver, connect_timeout_seconds):
     config = cluster_config(cluster_resolver)
     check_pipeline_cluster(config)
     require_reachable(config.cluster, ("worker",), connect_timeout_seconds,
-                      "Start `python -m tfpar.server` for each worker task with its TF_CONFIG "
+                      "Start `python -m tfpar.cluster.server` for each worker task with its TF_CONFIG "
                       "(tfpar launch --workers N --coordinator does this)")
     fail_fast()
     # A ClusterSpec, not the resolver: with a resolver TensorFlow also enters the chief's

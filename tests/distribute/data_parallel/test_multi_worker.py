@@ -1,0 +1,419 @@
+"""Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1."""
+
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import multi_worker_common as common
+from cluster_helper import Cluster, stop_launcher
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+FIT_WORKER = os.path.join(HERE, "workers", "fit.py")
+
+
+@pytest.fixture
+def cluster():
+    clusters = []
+
+    def make(workers=2):
+        clusters.append(Cluster(workers))
+        return clusters[-1]
+
+    yield make
+    for c in clusters:
+        c.kill_all()
+
+
+def _single_process_weights(epochs, examples, optimizer="sgd"):
+    x, y = common.data(examples)
+    model = common.model()
+    model.compile(common.optimizer(optimizer), common.loss())
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH),
+              epochs=epochs, verbose=0)
+    return model.get_weights()
+
+
+# 136 examples end with a partial global batch of 8: it must split, not hang.
+@pytest.mark.parametrize("examples", [128, 136])
+def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples):
+    workers = cluster(2)
+    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}"])
+    assert workers.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], workers.output()[-4000:]
+    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
+    for result in results:
+        assert result["strategy"] == "DataParallelStrategy(workers=2, replicas=2, communication='ring')"
+        assert result["epochs_run"] == 2
+        assert result["iterations"] == 2 * -(-examples // common.GLOBAL_BATCH)
+        assert result["predictions_shape"] == [examples, 3]
+    weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in (0, 1)]
+    for w0, w1 in zip(*weights):
+        np.testing.assert_array_equal(w0, w1)
+    for got, want in zip(weights[0], _single_process_weights(2, examples)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _train_args(model_dir, epochs):
+    return ["-m", "tfpar.cli.train", "--strategy=data", "--verbose=2", f"--epochs={epochs}",
+            f"--model_dir={model_dir}", "--timeout_seconds=20"]
+
+
+def test_dead_worker_stops_the_other_with_a_clear_message(cluster, tmp_path):
+    """Resuming after it is the chaos test's (10 restarts) and test_train_binary's."""
+    model_dir = tmp_path / "run"
+    workers = cluster(2)
+    workers.start(_train_args(model_dir, 4))
+    # Kill worker 1 a moment into epoch 2 (epoch 1 has been backed up by then).
+    deadline = time.monotonic() + 180
+    while "Epoch 2/4" not in workers.output("worker:1"):
+        assert time.monotonic() < deadline, workers.output()[-4000:]
+        assert workers.process("worker:1").poll() is None, workers.output()[-4000:]
+        time.sleep(0.05)
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    workers.kill("worker:1")
+    code = workers.process("worker:0").wait(timeout=90)
+    survivor = workers.output("worker:0")
+    assert code != 0
+    assert time.monotonic() - killed_at < 60
+    assert re.search(r"tfpar: training stopped on worker:0: a peer worker failed", survivor), \
+        survivor[-3000:]
+    assert "final:" not in survivor
+
+
+def test_launcher_runs_the_binary_on_two_workers(tmp_path):
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tfpar.cli.launch", "--workers=2", "--", sys.executable, "-m",
+         "tfpar.cli.train", "--verbose=2", "--epochs=2", f"--model_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert result.returncode == 0, result.stdout[-4000:]
+    finals = re.findall(r"\[(worker:\d)\] final: loss=([\d.]+) accuracy=([\d.]+)", result.stdout)
+    assert sorted(f[0] for f in finals) == ["worker:0", "worker:1"]
+    assert finals[0][1:] == finals[1][1:]  # same model on both workers
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "epoch-001.weights.h5", "epoch-002.weights.h5"]
+
+
+# -- no silent hangs -------------------------------------------------------------------
+
+HANG_WORKER = os.path.join(HERE, "workers", "hang.py")
+
+
+def _hang_run(cluster, tmp_path, mode, timeout=4):
+    workers = cluster(2)
+    workers.start([HANG_WORKER, f"--mode={mode}", f"--timeout={timeout}", f"--out={tmp_path}"])
+    names = ["worker:0", "worker:1"]
+    if mode == "stuck":  # Worker 1 sleeps on; worker 0 must come back on its own.
+        names = ["worker:0"]
+    assert workers.wait(names, timeout=180) == [0] * len(names), workers.output()[-4000:]
+    return {name: json.loads((tmp_path / f"{name.replace(':', '-')}.json").read_text())
+            for name in names}
+
+
+def test_a_stuck_worker_is_named_when_the_collective_times_out(cluster, tmp_path):
+    """TensorFlow said only "Collective has timed out during execution" (and with no
+    timeout, the default, waited forever)."""
+    result = _hang_run(cluster, tmp_path, "stuck")["worker:0"]
+    assert result.get("error_type") == "ClusterError", result
+    assert ("A collective timed out after 4s on worker:0: worker:1 (alive, but not in the "
+            "collective: stuck" in result["error"]), result
+    assert result["seconds"] < 4 + 4 + 15, result
+
+
+def test_a_worker_with_one_strategy_more_fails_at_once_naming_it(cluster, tmp_path):
+    """Its strategies' collectives never met the other worker's: both waited forever."""
+    results = _hang_run(cluster, tmp_path, "count")
+    error = results["worker:1"].get("error", "")
+    assert results["worker:1"].get("error_type") == "ClusterError", results
+    assert "worker:1 made cross-worker strategy #2" in error, error
+    assert "at hang.py:" in error and "worker:0 made no strategy #2 within 4s" in error, error
+    assert "error_type" in results["worker:0"], results  # It learns the peer is gone.
+
+
+def test_a_local_strategy_on_one_worker_does_not_shift_the_cross_worker_keys(cluster, tmp_path):
+    """A PipelineStrategy on worker 1 only took the next key block there: its next
+    multi-worker strategy joined other groups than worker 0's, and both waited."""
+    results = _hang_run(cluster, tmp_path, "order", timeout=60)
+    assert "error" not in results["worker:0"] and "error" not in results["worker:1"], results
+    assert results["worker:0"]["weights_sum"] == results["worker:1"]["weights_sum"]
+
+
+def test_collective_timeout_values():
+    from tfpar.distribute.data_parallel.multi_worker import collective_timeout
+
+    assert collective_timeout(None) == 600.0 and collective_timeout(2) == 2.0
+    with pytest.raises(ValueError, match=r"timeout_seconds must be a number of seconds > 0 "
+                                         r"\(math.inf: no limit\), or None for 600s"):
+        collective_timeout(0)
+
+
+# -- elastic restarts --------------------------------------------------------------------
+
+CHAOS_KILLS = 10
+CHAOS_EPOCHS = 30
+
+
+def _chaos(tmp_path, kills, epochs, seed=0):
+    """`tfpar launch --max_restarts` of a 2-worker Adam fit with a backup per epoch, each
+    worker with its own directory (no shared filesystem); SIGKILLs a random worker at a
+    random time after each start, `kills` times. Returns (exit code, output)."""
+    import random
+    import signal
+    import subprocess
+    import threading
+
+    rng = random.Random(seed)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tfpar.cli.launch", "--workers=2", f"--max_restarts={kills}",
+         "--timeout=400", "--grace_seconds=2", "--", sys.executable, FIT_WORKER,
+         f"--out={tmp_path}", f"--epochs={epochs}", f"--model_dir={tmp_path}", "--own_dirs=1",
+         "--optimizer=adam"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    lines, lock = [], threading.Lock()
+
+    def read():
+        for line in launcher.stdout:
+            with lock:
+                lines.append(line.rstrip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def wait_for(predicate, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and launcher.poll() is None:
+            with lock:
+                found = predicate(list(lines))
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError("\n".join(lines[-60:]))
+
+    try:
+        for kill in range(kills):
+            # This start's training has begun on both workers: kill one of them soon.
+            def training(seen, kill=kill):
+                since = [i for i, l in enumerate(seen) if "restarting the job" in l]
+                start = since[kill - 1] + 1 if kill else 0
+                pids = {}
+                for line in seen[start:]:
+                    if " PID " in line:
+                        pids[line.split("]")[0].strip("[")] = int(line.split()[-1])
+                epochs = [l for l in seen[start:] if "Epoch" in l]
+                return pids if len(pids) == 2 and epochs else None
+            pids = wait_for(training)
+            time.sleep(rng.uniform(0.0, 1.0))
+            victim = rng.choice(sorted(pids))
+            os.kill(pids[victim], signal.SIGKILL)
+            wait_for(lambda seen, n=kill + 1: sum("restarting the job" in l for l in seen) >= n)
+        code = launcher.wait(timeout=300)
+        reader.join(10)
+        return code, "\n".join(lines)
+    finally:
+        stop_launcher(launcher)
+
+
+def test_chaos_kills_and_restarts_end_with_the_uninterrupted_weights(tmp_path):
+    """A worker SIGKILLed at a random time, 10 times: the launcher restarts the job, it
+    resumes from the chief's backup (broadcast: the other worker has none of its own),
+    and the final weights equal an uninterrupted run's. Before: a killed worker ended the
+    run, and a resumed non-chief started again at epoch 0 with fresh weights."""
+    start = time.monotonic()
+    code, output = _chaos(tmp_path, CHAOS_KILLS, CHAOS_EPOCHS)
+    assert code == 0, output[-6000:]
+    assert output.count("restarting the job") == CHAOS_KILLS
+    assert time.monotonic() - start < 420
+    assert not (tmp_path / "worker-1" / "backup").exists() or not any(
+        (tmp_path / "worker-1" / "backup").iterdir())  # Only the chief writes backups.
+    want = _single_process_weights(CHAOS_EPOCHS, common.EXAMPLES, "adam")
+    for task in ("worker-0", "worker-1"):
+        got = list(np.load(tmp_path / f"{task}.npz").values())
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+# -- uneven inputs -------------------------------------------------------------------------
+
+def test_workers_with_unequal_data_finish_each_epoch_together(cluster, tmp_path):
+    """Worker 0 reads 10 batches, worker 1 13 (distribute_datasets_from_function): each
+    stopped at its own count and their collectives crossed ("Collective instance 173
+    expected type 0 and data_type 9 but got ... 1"). Now both run 13 steps; worker 0's
+    last 3 are empty; each step's gradient is that of the examples read in it."""
+    sys.path.insert(0, os.path.join(HERE, "workers"))
+    import uneven
+
+    workers = cluster(2)
+    workers.start([os.path.join(HERE, "workers", "uneven.py"), f"--out={tmp_path}"])
+    assert workers.wait(["worker:0", "worker:1"], timeout=180) == [0, 0], workers.output()[-4000:]
+    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
+    steps = max(uneven.BATCHES)
+    every_example = sum(uneven.BATCHES) * uneven.BATCH
+    for result in results:
+        assert result["iterations"] == uneven.EPOCHS * steps
+        assert result["history"]["seen"] == [every_example] * uneven.EPOCHS
+    # One device, on each step's examples from both workers.
+    parts = [uneven.worker_data(k) for k in range(2)]
+    batches = []
+    for t in range(steps):
+        chunk = [(x[t * uneven.BATCH:(t + 1) * uneven.BATCH], y[t * uneven.BATCH:(t + 1) * uneven.BATCH])
+                 for x, y in parts if t < len(x) // uneven.BATCH]
+        batches.append((np.concatenate([c[0] for c in chunk]), np.concatenate([c[1] for c in chunk])))
+    # A known length: on a dataset of unknown length Keras 3.15 takes one more optimizer
+    # step per epoch (measured: 28 iterations for 26 batches; it moves Adam's weights).
+    dataset = tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=(tf.TensorSpec((None, 4), tf.float32),
+                                                 tf.TensorSpec((None,), tf.int32)),
+    ).apply(tf.data.experimental.assert_cardinality(steps))
+    model = common.model()
+    model.compile(common.optimizer("adam"), common.loss())
+    history = model.fit(dataset, epochs=uneven.EPOCHS, verbose=0)
+    for task in ("worker-0", "worker-1"):
+        for got, want in zip(np.load(tmp_path / f"{task}.npz").values(), model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(results[0]["history"]["loss"], history.history["loss"], rtol=1e-5)
+
+
+def test_across_workers_the_strategy_walks_like_stock_multi_worker_mirrored(cluster, tmp_path):
+    """Each worker's public properties (resolver task type and id, should_checkpoint, ...)
+    and cross-worker gather/reduce/run results, against MultiWorkerMirroredStrategy's."""
+    results = {}
+    for kind in ("stock", "tfpar"):
+        out = tmp_path / kind
+        out.mkdir()
+        workers = cluster(2)
+        workers.start([os.path.join(HERE, "workers", "api_worker.py"), f"--out={out}",
+                       *(["--stock"] if kind == "stock" else [])])
+        assert workers.wait(["worker:0", "worker:1"], timeout=120) == [0, 0], \
+            workers.output()[-4000:]
+        results[kind] = {i: json.loads((out / f"worker-{i}.json").read_text()) for i in (0, 1)}
+    for i in (0, 1):
+        stock, ours = results["stock"][i], results["tfpar"][i]
+        assert {k: ours["properties"].get(k) for k in stock["properties"]} == stock["properties"]
+        for key in ("gather", "reduce", "run", "local"):
+            assert ours[key] == stock[key], key
+    assert results["stock"][1]["properties"]["extended.should_checkpoint"] == ["returns", False]
+    assert results["stock"][1]["properties"]["cluster_resolver"][1][1:3] == ["worker", 1]
+
+
+# -- ZeRO across workers -----------------------------------------------------------------
+
+SHARDED_WORKER = os.path.join(HERE, "workers", "sharded.py")
+
+
+OPTIMIZERS = ("sgd_momentum", "adam")
+
+
+def _resumes_under_other_strategies(path, shard, optimizer, one_device):
+    """Resharding on load: the 2-worker checkpoint, loaded under another ZeRO stage on 4
+    replicas of this process and into a 2-stage pipeline, trains one more epoch as one
+    device does from it (weights and optimizer state both restored)."""
+    import tfpar
+
+    x, y = common.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    one_device.fit(dataset, epochs=1, verbose=0)
+    other = {"optimizer": "parameters", "gradients": "optimizer", "parameters": "gradients"}
+    for strategy in (tfpar.DataParallelStrategy([f"/cpu:{i}" for i in range(4)],
+                                                shard=other[shard]),
+                     tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], num_micro_batches=2)):
+        with strategy.scope():
+            model = common.model()
+            model.compile(common.optimizer(optimizer), common.loss())
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(path)
+        model.fit(dataset, epochs=1, verbose=0)
+        for got, expected in zip(model.get_weights(), one_device.get_weights()):
+            np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=repr(strategy))
+
+
+def _one_process_run(optimizer):
+    """Weights after 2 epochs, the optimizer state then, and weights after a third."""
+    x, y = common.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    reference = common.model()
+    reference.compile(common.optimizer(optimizer), common.loss())
+    reference.fit(dataset, epochs=2, verbose=0)
+    want = reference.get_weights()
+    state = [v.numpy() for v in reference.optimizer.variables]
+    weight_bytes = sum(w.nbytes for w in want)
+    slot_bytes = sum(v.nbytes for v in state if v.shape)
+    reference.fit(dataset, epochs=1, verbose=0)
+    predictions = reference.predict(x, batch_size=common.GLOBAL_BATCH, verbose=0)
+    return (want, state, reference.get_weights() + [predictions], weight_bytes, slot_bytes,
+            reference.evaluate(dataset, verbose=0))
+
+
+# One pair of worker processes per stage (~10-15 s each here), both optimizers in it.
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
+def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_path, shard):
+    """ZeRO stages 1-3 over 2 workers, with SGD momentum and Adam: the optimizer state
+    (and under stage 3 the weights) split between them, weights equal to one process, a
+    checkpoint holding the full state, a resume from the backup, then evaluate and
+    predict as one process."""
+    import keras
+
+    # Buckets of 64 bytes: both kernels are larger than a bucket, and
+    # there are 4 buckets for 2 workers (ZeRO-1 and -2 used to hang there).
+    sizes = [w.nbytes for w in common.model().get_weights()]
+    assert sum(s > 64 for s in sizes) == 2 and len(sizes) == 4
+    workers = cluster(2)
+    workers.start([SHARDED_WORKER, f"--out={tmp_path}", f"--backups={tmp_path / 'backups'}",
+                   f"--shard={shard}", f"--optimizers={','.join(OPTIMIZERS)}",
+                   "--bytes_per_pack=64"])
+    assert workers.wait(["worker:0", "worker:1"], timeout=300) == [0, 0], \
+        workers.output()[-4000:]
+    for optimizer in OPTIMIZERS:
+        run = f"{shard}-{optimizer}"
+        want, state, want_resumed, weight_bytes, slot_bytes, loss = _one_process_run(optimizer)
+        held, weights_held = [], []
+        for i in (0, 1):
+            result = json.loads((tmp_path / f"worker-{i}-{run}.json").read_text())
+            assert result["strategy"] == (f"DataParallelStrategy(workers=2, replicas=2, "
+                                          f"communication='ring', shard='{shard}')")
+            assert result["resumed_iterations"] == 3 * 128 // common.GLOBAL_BATCH
+            np.testing.assert_allclose(result["resumed_loss"], loss, rtol=1e-5, err_msg=run)
+            held.append(result["optimizer_bytes"][0])
+            weights_held.append(result["weight_bytes"][0])
+            weights = list(np.load(tmp_path / f"worker-{i}-{run}.npz").values())
+            assert len(weights) == len(want + want_resumed)
+            for got, expected in zip(weights, want + want_resumed):
+                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=run)
+        # Each worker holds part of the state (+ its step counter and learning rate), and
+        # under stage 3 part of the weights.
+        assert all(h < 0.75 * slot_bytes for h in held) and sum(held) >= slot_bytes, held
+        if shard == "parameters":
+            assert all(0 < h < 0.75 * weight_bytes for h in weights_held), weights_held
+            assert sum(weights_held) == weight_bytes, weights_held
+        else:
+            assert weights_held == [weight_bytes] * 2, weights_held
+        one_device = common.model()
+        one_device.compile(common.optimizer(optimizer), common.loss())
+        one_device.optimizer.build(one_device.trainable_variables)
+        one_device.load_weights(tmp_path / f"{run}.weights.h5")
+        for got, expected in zip(one_device.get_weights(), want):
+            np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=run)
+        for got, expected in zip(one_device.optimizer.variables, state):
+            np.testing.assert_allclose(got.numpy(), expected, atol=1e-5, err_msg=run)
+        # model.save and ModelCheckpoint (the chief's files; the others wrote elsewhere)
+        # load without any strategy: the weights and the state after 2 epochs.
+        for saved in (f"{run}.keras", f"{run}-2.keras"):
+            loaded = keras.models.load_model(tmp_path / saved)
+            for got, expected in zip(loaded.get_weights() + [
+                    v.numpy() for v in loaded.optimizer.variables], want + state):
+                np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=saved)
+        assert sorted(p.name for p in tmp_path.glob(f"{run}-*.keras")) == [
+            f"{run}-{epoch}.keras" for epoch in (1, 2, 3)]
+        if optimizer == OPTIMIZERS[-1]:
+            _resumes_under_other_strategies(tmp_path / f"{run}.weights.h5", shard, optimizer,
+                                            one_device)

@@ -1,0 +1,68 @@
+"""Process-wide collective group keys, so strategies of any size coexist.
+
+Every stock `MirroredStrategy` numbers its collective groups from 1. A second
+strategy with a different number of replicas then joins group 1 with the wrong
+size and TensorFlow aborts ("joining a group with size 4, but that group has
+size 2"). Each tfpar strategy takes its own block of keys instead.
+
+Strategies whose collectives cross workers number their blocks apart from the
+one-host ones: the n-th cross-worker strategy of every worker gets the same block
+whatever local strategies a worker made before it (a local PipelineStrategy on one
+worker only used to shift the keys of that worker's next multi-worker strategy, and
+both waited forever). That the workers made the same cross-worker strategies in
+the same order is checked when each is made (`tfpar.distribute.common.rendezvous`).
+"""
+
+import itertools
+import threading
+
+# Keys a strategy may use: one per distinct device group it reduces over.
+_BLOCK = 1000
+# Blocks start far above the keys others use in the same process: a stock MirroredStrategy
+# numbers its groups from 1, and DTensor (tfpar.MeshStrategy, keras.distribution) takes
+# 2048 x n + g for its n-th partition of a mesh into groups g = 0, 1, ... (TensorFlow's
+# dtensor/mlir/collectives.cc); a key that two of them give different devices aborts both
+# ("joining a group that is already full").
+_FIRST_LOCAL_BLOCK = 1 << 18  # Keys from 262,144,000: DTensor reaches them after 128k bases.
+# Cross-worker blocks start here, far above any number of one-host strategies.
+_FIRST_CLUSTER_BLOCK = 1 << 19
+_lock = threading.Lock()
+_blocks = {False: itertools.count(_FIRST_LOCAL_BLOCK),
+           True: itertools.count(_FIRST_CLUSTER_BLOCK)}
+
+
+def next_key_base(across_workers=False):
+    """The base of a fresh block; keys base+1 .. base+_BLOCK are the caller's."""
+    with _lock:
+        return next(_blocks[across_workers]) * _BLOCK
+
+
+def cluster_index(key_base):
+    """0 for the first cross-worker strategy of this process, 1 for the next, ..."""
+    return key_base // _BLOCK - _FIRST_CLUSTER_BLOCK
+
+
+# The top half of each block: groups of two replicas (tfpar's point-to-point exchanges,
+# `tfpar.distribute.zero.zero_sharding`), numbered down from the top, clear of the strategy's own.
+_PAIR_KEYS = _BLOCK // 2
+
+
+def broadcast_key(key_base):
+    """The group key of tfpar's own broadcasts over all the replicas of the strategy at
+    `key_base` (stage-3 reads across workers), between the strategy's keys (numbered up
+    from the bottom) and the pairs' (numbered down from the top, at most 496 of them)."""
+    return key_base + _PAIR_KEYS
+
+
+def pairs_fit(num_replicas):
+    """Whether a block has a key for every pair of `num_replicas` replicas (up to 32)."""
+    return num_replicas * (num_replicas - 1) // 2 <= _PAIR_KEYS
+
+
+def pair_key(key_base, first, second, num_replicas):
+    """The group key of replicas `first` < `second` (of `num_replicas`) in the block at
+    `key_base` (`pairs_fit(num_replicas)` must hold)."""
+    if not pairs_fit(num_replicas):
+        raise ValueError(f"No group key for every pair of {num_replicas} replicas.")
+    index = first * (2 * num_replicas - first - 1) // 2 + (second - first - 1)
+    return key_base + _BLOCK - index

@@ -1,0 +1,349 @@
+"""Synchronous mirrored data parallelism, on one host or across TF_CONFIG workers."""
+
+import math
+
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar.contract import StrategyHooks
+from tfpar.distribute.common import device_memory as memory
+from tfpar.distribute.common import group_keys
+from tfpar.distribute.common import owner_values
+from tfpar.distribute.common import rendezvous
+from tfpar.distribute.common.cross_device import make_cross_device_ops
+from tfpar.distribute.data_parallel import multi_worker
+from tfpar.distribute.data_parallel.input_checks import check_first_batch
+from tfpar.distribute.zero import zero_sharding as sharded
+from tfpar.errors import DeviceError
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
+from tfpar.keras import tf_runtime
+from tfpar.keras import zero_optimizers as keras_sharded
+from tfpar.keras.replicas import xla_refusal
+from tfpar.plan import memory as plan_memory
+from tfpar.plan import sharding
+from tfpar.plan.communication import check_bytes_per_pack, select_communication
+
+
+class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.MirroredStrategy):
+    """Synchronous data parallelism: one replica per device, gradients all-reduced.
+
+    A `tf.distribute.MirroredStrategy` whose all-reduce is chosen for the
+    devices (NCCL on GPUs, a measured choice on CPUs) and whose collective keys
+    are its own, so that strategies of any size coexist in one process. When
+    TF_CONFIG (or `cluster_resolver`) names several workers, it is instead a
+    `tf.distribute.MultiWorkerMirroredStrategy` on which Keras `fit` works.
+
+    Args:
+      devices: device names, one replica each. None: all GPUs, or all logical
+        CPUs when there is no GPU.
+      communication: "auto" (NCCL when every device is a GPU, else the fastest
+        CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one" or
+        "hierarchical".
+      bytes_per_pack: for ring all-reduce, pack gradients into chunks of about
+        this many bytes (0: one collective per gradient). None: 0 on one host
+        (packing measured no gain there), 4 MiB across workers (measured ~15%
+        faster steps than unpacked; see BUILD_NOTES.md). Under `shard`, the size of
+        the buckets gradients are reduce-scattered in, with any `communication`
+        (None: 25 MiB; 0: one bucket).
+      cluster_resolver: a `tf.distribute.cluster_resolver.ClusterResolver`; by
+        default TF_CONFIG is read. With more than one worker (chief + workers)
+        the strategy trains synchronously across them, and `devices` must be None.
+      timeout_seconds: across workers, a collective that waits longer than this
+        for a peer fails with a `ClusterError` naming the workers that did not
+        arrive (dead or stuck) instead of hanging. None: 600 s (as PyTorch's
+        watchdog); `math.inf`: wait forever.
+      shard: ZeRO sharding of the training state over the replicas. None: every
+        replica keeps everything. "optimizer" (stage 1): each replica keeps the
+        optimizer state of its share of the variables and updates only those.
+        "gradients" (stage 2): also, gradients are reduce-scattered, each replica
+        keeping its share. "parameters" (stage 3): also, each variable lives on its
+        owner only and is read from it where a layer uses it (across workers, a
+        broadcast whose gradient is reduced back). Whole variables are shared out
+        (see `tfpar.plan.sharding`); checkpoints hold full, unsharded state.
+      reshard_after_forward: under shard="parameters", free the weights a replica read
+        from their owners after each layer's forward pass and read them again for its
+        backward pass (FSDP's default): one layer's gathered weights are held at a time,
+        for one more forward computation of each layer (it is recomputed, as under
+        `keras.RematScope(mode="full")`; layers with other state or random draws keep
+        their reads instead). None: True under shard="parameters". False: every read is
+        kept from the forward to the backward pass (faster, the memory of unsharded
+        weights).
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> strategy = tfpar.DataParallelStrategy()
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+      ...     model.compile("sgd", "sparse_categorical_crossentropy")
+      >>> _ = model.fit(np.zeros((8, 2)), np.zeros(8), batch_size=4, verbose=0)
+    """
+
+    # Read by the Keras seam (tfpar.keras.replicas): losses normalized over the global
+    # batch, BatchNorm statistics averaged over replicas, gradient accumulation.
+    _tfpar_exact_replicas = True
+    _tfpar_mirrored = True
+
+    def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
+                cluster_resolver=None, timeout_seconds=None, shard=None,
+                reshard_after_forward=None):
+        if cls is DataParallelStrategy:
+            if multi_worker.cluster_worker_count(cluster_resolver) > 1:
+                cls = MultiWorkerDataParallelStrategy
+        return super().__new__(cls)
+
+    def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
+                 cluster_resolver=None, timeout_seconds=None, shard=None,
+                 reshard_after_forward=None):
+        # One construction path for one host and for workers; what differs is in the
+        # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
+        self._tfpar_shard_stage = sharding.check_shard(shard)
+        self.shard = shard
+        self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
+        self._tfpar_regathered = set()  # ids of the models made to regather.
+        if self.reshard_after_forward:
+            keras_hooks.install_model_call_hook()
+        self._tfpar_cluster_resolver = (
+            cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        # Under shard=..., tfpar packs gradients itself (in these buckets), whatever the
+        # reduction.
+        self._tfpar_bucket_bytes = check_bytes_per_pack(
+            bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
+        extended = self._build_extended(
+            devices, communication, None if self._tfpar_shard_stage else bytes_per_pack,
+            timeout_seconds)
+        tf.distribute.Strategy.__init__(self, extended)
+        keras_hooks.install_exact_replicas()
+        self._install_keras_hooks()
+        sharded.set_up(self, self.num_replicas_in_sync, lambda: sharded.ShardCollectives(
+            *self._shard_collective_args(extended)))
+        self._join_workers()
+
+    # -- The steps of construction on one host --------------------------------------------
+
+    # Stage 3 on one host: a replica reads the owner's copy (no collective).
+    _tfpar_gathers_parameters = False
+
+    def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
+        resolved = devices_lib.resolve_devices(devices)
+        self.communication = select_communication(
+            communication, [devices_lib.device_type(d) for d in resolved],
+            physical_gpus=devices_lib.physical_gpus_of(resolved))
+        bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
+        if bytes_per_pack and self.communication != "ring":
+            raise ValueError(
+                f"bytes_per_pack packs gradients for communication='ring', but this strategy "
+                f"uses {self.communication!r}. Pass communication='ring' or drop bytes_per_pack.")
+        # Read by MirroredExtended when it makes its CollectiveKeys.
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
+        return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack)
+
+    def _install_keras_hooks(self):
+        keras_hooks.install_crash_safe_backups()
+
+    def _shard_collective_args(self, extended):
+        return (sharding.collectives_for(self.communication),
+                tf_runtime.collective_keys(extended), extended.worker_devices)
+
+    def _join_workers(self):
+        """Nothing to agree on with other workers on one host."""
+
+    @property
+    def cluster_resolver(self):
+        """The cluster's resolver; on one host, that of the one-task cluster.
+
+        As `tf.distribute.MultiWorkerMirroredStrategy` without TF_CONFIG (task type
+        and id None), where a stock `MirroredStrategy` has None: programs written for
+        several workers ask it who saves (`task_type in (None, "chief")`).
+        """
+        return self._tfpar_cluster_resolver
+
+    def _tfpar_xla_refusal(self, model):
+        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
+        return xla_refusal(model, "DataParallelStrategy", "its replicas run",
+                           self.num_replicas_in_sync)
+
+    def _tfpar_memory_config(self, optimizer_slots=2):
+        # Read by tfpar.plan.estimate_memory.
+        return plan_memory.MemoryConfig(
+            "sharded" if self.shard else "data", self.num_replicas_in_sync, shard=self.shard,
+            optimizer_slots=optimizer_slots,
+            reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3,
+            gradient_window_bytes=self._tfpar_bucket_bytes
+            if sharded.paces_gradients(self) else 0)
+
+    def _tfpar_before_model_call(self, model, args, kwargs):
+        # Asked by the Keras seam before a model made under this strategy runs.
+        if self.reshard_after_forward and id(model) not in self._tfpar_regathered:
+            keras_sharded.regather_in_backward(model)
+            self._tfpar_regathered.add(id(model))
+
+    def memory_report(self, model, optimizer=None):
+        """Bytes each replica's device holds for training `model` (a built model; after a
+        step for the gradients of stages 2-3), as a `tfpar.plan.MemoryEstimate`, to
+        compare with `tfpar.plan.estimate_memory(model, strategy)`. `optimizer`: the one
+        a custom loop trains with (default: the compiled one). See
+        `tfpar.distribute.common.device_memory` for what is measured."""
+        devices = self.extended.worker_devices
+        stage = self._tfpar_shard_stage
+        sizes = [memory.num_bytes(v) for v in model.trainable_weights]
+        shard = self._tfpar_step_shapes.gradient_bytes or max(self._tfpar_shard_owners.loads)
+        gradients = [sum(sizes) if stage < 2 else shard] * len(devices)
+        # Stage 3: the largest variable a replica reads from another owner.
+        held = [memory.resident_bytes(self, [v], devices) for v in model.trainable_weights]
+        gather = [max([size for size, on in zip(sizes, held) if not on[i]] + [0])
+                  if stage == 3 else 0 for i in range(len(devices))]
+        config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
+        return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
+                              config, devices, gradients, gather)
+
+    def __repr__(self):
+        shard = f", shard={self.shard!r}" if self.shard else ""
+        return (f"DataParallelStrategy(replicas={self.num_replicas_in_sync}, "
+                f"communication={self.communication!r}{shard})")
+
+
+@internals.overrides
+class _DataParallelExtended(tf_runtime.mirrored_extended()):
+    """MirroredExtended with tfpar's reduction choice and batch checks."""
+
+    def __init__(self, container_strategy, devices, communication, bytes_per_pack):
+        self._tfpar_communication = communication
+        self._tfpar_bytes_per_pack = bytes_per_pack
+        super().__init__(container_strategy, devices=devices)
+
+    def _initialize_strategy(self, devices):
+        super()._initialize_strategy(devices)
+        tf_runtime.set_cross_device_ops(self, make_cross_device_ops(
+            self._tfpar_communication, tf_runtime.replica_devices(self),
+            tf_runtime.collective_keys(self), self._tfpar_bytes_per_pack))
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
+        return super()._experimental_distribute_dataset(dataset, options)
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
+        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
+            super()._validate_colocate_with_variable(colocate_with_variable)
+
+    def _create_variable(self, next_creator, **kwargs):
+        # Under shard=..., state made for a trainable variable (Keras' optimizer slots,
+        # made next to their variable) lives on the variable's owner only, and under
+        # shard="parameters" so does the trainable variable itself.
+        strategy = tf_runtime.container_strategy(self)
+        owned = sharded.on_owner(strategy, next_creator, kwargs,
+                                 tf_runtime.replica_devices(self), 0)
+        return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
+
+
+class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    """DataParallelStrategy across workers; made by `DataParallelStrategy()` in a cluster.
+
+    It is also a `tf.distribute.MultiWorkerMirroredStrategy`, so Keras takes its
+    multi-worker paths (gathering predictions across workers, for example).
+    """
+
+    _tfpar_multi_worker = True
+    # Read by the Keras seam: optimizer updates one variable after another, so that a
+    # worker holds one update's temporaries at a time (`tfpar.keras.replicas`): its peak on
+    # the 100.7M MLP fell from 1,568-1,585 to 1,248-1,264 MiB. (On one host, measured with
+    # 8 Dense(1024) layers on 2 logical CPUs, it rose from 204 to 304 MiB: the all-reduced
+    # gradients waited for their turn. Not used there.)
+    _tfpar_updates_in_turn = True
+
+    @property
+    def _tfpar_gathers_parameters(self):
+        # Stage 3: a replica reads another worker's variables through collectives.
+        return self._tfpar_shard_stage == 3
+
+    def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
+        if devices is not None:
+            raise DeviceError(
+                "devices cannot be chosen across workers: each worker uses all its GPUs, or "
+                "its CPU. Pass devices=None.")
+        # The GPUs this worker's replicas will use: visible ones, split as configured.
+        gpus = devices_lib.logical_gpu_owners()
+        self.communication = select_communication(
+            communication, ["GPU"] * len(gpus) or ["CPU"], multi_worker=True,
+            physical_gpus=gpus)
+        self.timeout_seconds = multi_worker.collective_timeout(timeout_seconds)
+        self._worker_options = tf_runtime.collective_options(
+            bytes_per_pack=check_bytes_per_pack(bytes_per_pack,
+                                                multi_worker.MULTI_WORKER_PACK_BYTES),
+            timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
+            implementation=multi_worker.implementation(self.communication))
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
+        return multi_worker.MultiWorkerExtended(
+            self, cluster_resolver=self._tfpar_cluster_resolver,
+            communication_options=self._worker_options)
+
+    def _install_keras_hooks(self):
+        keras_hooks.install_multi_worker_callbacks()
+        keras_hooks.install_cluster_error_explanation()
+
+    def _shard_collective_args(self, extended):
+        return (sharding.collectives_for(
+                    self.communication, across_workers=True,
+                    pair_groups=group_keys.pairs_fit(self.num_replicas_in_sync)),
+                tf_runtime.collective_keys(extended), extended.worker_devices,
+                self._worker_options.timeout_seconds, self._collective_key_base)
+
+    def _join_workers(self):
+        """Every worker made the same strategy (checked through the cluster)."""
+        self._tfpar_cluster = multi_worker.Peers(self._tfpar_cluster_resolver)
+        self._tfpar_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
+        self._tfpar_backups = 0  # Backups resumed from (sharded), numbered alike.
+        rendezvous.check_same_strategies(
+            self._tfpar_cluster, group_keys.cluster_index(self._collective_key_base),
+            f"{self!r} bytes_per_pack={self._worker_options.bytes_per_pack}/"
+            f"{self._tfpar_bucket_bytes}", self._tfpar_check_seconds)
+
+    @property
+    def _tfpar_check_seconds(self):
+        # How long a worker waits for the others to make the same strategy or dataset.
+        return min(self.timeout_seconds, multi_worker.STRATEGY_CHECK_SECONDS)
+
+    @property
+    def _tfpar_every_worker_saves(self):
+        # Read by the Keras seam: saving sharded state gathers it from every worker.
+        return bool(self._tfpar_shard_stage)
+
+    def _tfpar_check_backup_everywhere(self, path):
+        # Asked by the Keras seam before a sharded run resumes from a backup.
+        self._tfpar_backups += 1
+        rendezvous.check_backup_everywhere(self._tfpar_cluster, f"backup/{self._tfpar_backups}",
+                                           path, self._tfpar_check_seconds)
+
+    def _tfpar_broadcast_from_chief(self, variables):
+        # Asked by the Keras seam when BackupAndRestore resumes: the chief restored.
+        owner_values.broadcast_from_first_replica(self, variables)
+
+    def _tfpar_explain_timeout(self, error):
+        # Asked by the Keras seam when fit, evaluate or predict ends with a timed-out collective.
+        return rendezvous.explain_timeout(error, self._tfpar_cluster, self.timeout_seconds)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """As stock; workers whose datasets differ in length finish an epoch together."""
+        self._tfpar_datasets += 1
+        key = f"dataset/{self._tfpar_datasets}"
+
+        def longest_of_all(length):
+            return rendezvous.longest(self._tfpar_cluster, key, length,
+                                      self._tfpar_check_seconds)
+        return super().distribute_datasets_from_function(
+            multi_worker.joined(dataset_fn, longest_of_all), options)
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras' multi-worker path reduces scalar step outputs (loss, metrics) with
+        # axis=0, which fails on a scalar; the mean over replicas is what it means.
+        if axis is not None and multi_worker.rank(value) == 0:
+            axis = None
+        return super().reduce(reduce_op, value, axis)
+
+    def __repr__(self):
+        workers = tf_runtime.num_workers(self.extended)
+        shard = f", shard={self.shard!r}" if self.shard else ""
+        return (f"DataParallelStrategy(workers={workers}, "
+                f"replicas={self.num_replicas_in_sync}, communication={self.communication!r}"
+                f"{shard})")

@@ -1,0 +1,1 @@
+"""`keras.distribution` on TensorFlow's DTensor (the TensorFlow side) and `MeshStrategy`."""

@@ -1,0 +1,1 @@
+"""Model parallelism by layer placement: `ModelParallelStrategy` and its reports."""

@@ -1,0 +1,1 @@
+"""Parameter-server training: `ParameterServerStrategy` and its synchronous mode."""

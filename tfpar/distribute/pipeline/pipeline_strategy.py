@@ -1,0 +1,890 @@
+"""Pipeline parallelism: micro-batches flowing through a model cut into stages.
+
+How it works:
+
+- *Stages.* When a model created under the scope first runs (or its weights are
+  first read or written), it is cut into K contiguous stages
+  (`tfpar.keras.pipeline_stages`): at `tfpar.layers.StageBoundary` markers, or into groups
+  of about equal parameter count. Until then its layers' variables have a shape
+  and no storage; each gets its storage on its stage's device, one copy per
+  replica (`tfpar.distribute.common.layer_placement`): none is created on another device
+  of the strategy first. Optimizer state is created next to its variable, and
+  updates run there.
+- *Training.* Keras' `fit`/`train_on_batch` call `model.train_step`; the Keras seam
+  (`keras_hooks.install_train_step_hook`) hands it to this strategy, which splits
+  the batch into M micro-batches and builds the schedule's forward and backward
+  actions in order (`pipeline_exec.TrainStep`), sums the gradients over
+  micro-batches and applies them once with the model's optimizer.
+- *Evaluation, prediction, custom loops.* The placed model's `call` runs the
+  micro-batches through the stages (forward only, each stage in order on its
+  device); under a gradient tape each stage's backward runs on its device too.
+- *Replicas.* With `num_replicas=R` the strategy is a mirrored strategy of R
+  replicas; replica r runs its pipeline on devices[r*K:(r+1)*K] on B/R of the batch.
+  Every variable has one copy per replica, on the device of its stage in that
+  replica. The optimizer all-reduces each variable's gradient across its R copies
+  with cross-device ops chosen for those R devices (NCCL when they are GPUs,
+  `select_communication`), and applies the same update to every copy.
+- *Stages on other processes.* With `cluster_resolver` the chief connects to a TF_CONFIG
+  cluster and stages go on the worker tasks' devices (`tfpar.distribute.pipeline.workers`):
+  the step is still one function, cut by TensorFlow into one part per task; activations
+  and gradients go from worker to worker. A lost stage worker ends `fit` with a
+  `ClusterError` that names it.
+- *Saving.* Nothing of the pipeline is saved: `model.save` and checkpoints write a
+  plain Keras model (one copy of each variable) that loads anywhere.
+
+Limits: subclassed models have no graph to cut and are refused; a model whose
+class overrides `train_step` is refused by `fit` with a clear error (put custom
+loss logic in `compute_loss`, which is pipelined); `jit_compile=True` is refused;
+masked mean losses with M > 1 are refused. BatchNorm computes its statistics per
+micro-batch (as GPipe does); each micro-batch updates the moving statistics (with R
+replicas, by the mean over replicas).
+"""
+
+# tfpar's own private attributes (_tfpar_*) on Keras objects.
+# pylint: disable=protected-access
+
+import contextlib
+import dataclasses
+import threading
+import time
+import types
+
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar.distribute.common import device_memory as memory
+from tfpar.distribute.common import group_keys
+from tfpar.distribute.common import layer_timing
+from tfpar.distribute.common.cross_device import make_cross_device_ops
+from tfpar.distribute.common.layer_placement import PlacingStrategy, claim_model, mark_placed
+from tfpar.distribute.common.placed_call import canonical_device
+from tfpar.distribute.pipeline import execution as pipeline_exec
+from tfpar.distribute.pipeline import mirrored_placement
+from tfpar.distribute.pipeline import tensor_parallel as tensor_parallel_lib
+from tfpar.distribute.pipeline import workers as stage_workers
+from tfpar.distribute.pipeline.weight_versions import WeightVersions
+from tfpar.distribute.zero import zero_sharding as sharded
+from tfpar.errors import DeviceError, PlacementError, ScheduleError
+from tfpar.keras import hooks as keras_hooks
+from tfpar.keras import internals
+from tfpar.keras import models
+from tfpar.keras import pipeline_stages
+from tfpar.keras import steps
+from tfpar.keras import tf_runtime
+from tfpar.keras import tf_variables
+from tfpar.keras import variable_birth
+from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
+from tfpar.plan import memory as plan_memory
+from tfpar.plan import schedule as schedule_lib
+from tfpar.plan import sharding
+from tfpar.plan.communication import select_communication
+from tfpar.viz import pipeline_profiler as profiling
+
+
+class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.MirroredStrategy):
+    """Trains a Keras model cut into stages, with micro-batches in a pipeline.
+
+    The model (Sequential or functional) is cut into K stages on K devices; each
+    batch is split into M micro-batches that flow through the stages so that the
+    devices work at the same time. Gradients are summed over the micro-batches
+    (they equal those of the whole batch) and applied once. With R pipeline
+    replicas on R x K devices, each stage's gradients are all-reduced across its R
+    copies (NCCL on GPUs).
+
+    Args:
+      devices: device names, R x K of them: replica r uses devices[r*K:(r+1)*K].
+        None: all GPUs, or all logical CPUs without GPUs.
+      num_micro_batches: M, micro-batches per batch (per pipeline replica).
+      schedule: "gpipe" (all forwards, then all backwards), "1f1b" (one forward
+        one backward: at most K micro-batches in flight per stage), "interleaved_1f1b"
+        (Megatron's: `virtual_stages` chunks per device, the bubble divided by them),
+        "zero_bubble_h1" (backwards split into input and weight gradients, the weight
+        part filling the bubble), "2bw" (1F1B with PipeDream-2BW's two weight versions:
+        each step's gradients are computed on the weights before the previous update and
+        applied to the latest ones, W(t+1) = W(t) - lr * g(W(t-1))), or a
+        `tfpar.plan.schedule.Schedule` of your own (validated by a dry run before it runs).
+      remat: recompute each stage's activations in its backward instead of
+        keeping them (GPipe's rematerialization).
+      offload_activations: with remat, where each stage keeps its micro-batches' inputs
+        between their forward and backward (what remat keeps): False, on the stage's
+        device; True, in the host memory of the stage's task (its CPU:0: for a GPU stage,
+        off the GPU; for a CPU stage, the same memory); or a device name, e.g. the chief's
+        CPU for stages on worker processes. Each input is copied there after its forward
+        and fetched back when its backward starts (DeepSpeed's CPU checkpointing).
+      num_replicas: R, pipeline replicas (data parallelism over pipelines).
+      shard: ZeRO over each stage's R replicas (DeepSpeed's pipeline with ZeRO; needs
+        R >= 2). None: every copy of a stage keeps all its state. "optimizer" (stage 1):
+        each variable of a stage has one owner among the stage's R devices
+        (`tfpar.plan.sharding`, even bytes per stage), which alone keeps its optimizer
+        state and updates it; the updated values are all-gathered into the other copies.
+        "gradients" (stage 2): also, each device keeps only its own variables' reduced
+        gradients. "parameters" (stage 3): also, each variable lives on its owner only,
+        and the stage's other devices read it from there in each micro-batch's forward and
+        backward (kept from the forward to the backward pass, as
+        `DataParallelStrategy(reshard_after_forward=False)`). Checkpoints hold full state.
+      num_stages: K; None: len(devices) / num_replicas. With
+        `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
+      virtual_stages: v, model chunks per device (interleaved schedules): the model is
+        cut into K x v chunks, chunk c on stage c % K.
+      balance_by: what the cut evens out between stages (without StageBoundary
+        markers): "params" (parameters, frozen ones included) or "time" (each layer's
+        forward and backward timed on one micro-batch, the first layer without the input
+        gradient it never sends; on a CPU the strategy does not use).
+      cluster_resolver: stages on other processes: a `tf.distribute.cluster_resolver`
+        (e.g. `TFConfigClusterResolver()`) of a cluster whose worker tasks serve
+        (`python -m tfpar.cluster.server`, started by `tfpar launch --workers N --coordinator`)
+        while this process, the chief, runs the program. The strategy connects to the
+        cluster (TensorFlow's remote eager runtime); with `devices=None` it puts one stage
+        on each worker task (its first GPU, else its CPU:0), in task order. `devices` may
+        also name other tasks' devices ('/job:worker/replica:0/task:1/device:CPU:0'), as
+        they may after you connect yourself (`tf.config.experimental_connect_to_cluster`).
+        Across processes R must be 1. A stage worker that dies ends `fit`, `evaluate` or
+        `predict` with a `ClusterError` naming it; rerun with
+        `keras.callbacks.BackupAndRestore` to resume.
+      tensor_parallel: T, the devices each stage is split over (Megatron's tensor
+        parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
+        devices are then R x K x T, replica-major, then stage: stage s of replica r on
+        devices[(r*K + s)*T:][:T]. Needs `layout_map`; not yet with cluster_resolver,
+        balance_by="time" or schedule="2bw". With num_replicas and shard, each shard's
+        state is divided over its R copies as any stage variable's (Megatron x DeepSpeed).
+      layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
+        `keras.distribution.ModelParallel`: a Dense kernel laid out (None, "model") is split
+        by columns (its bias follows), ("model", None) by rows; an EinsumDense kernel by
+        columns along a split output axis, by rows along a split contracted one. Its device mesh, if any,
+        must agree on the "data", "pipe" and "model" axes' sizes (R, K, T).
+      connect_timeout_seconds: how long the workers get to start listening.
+      stage_timeout_seconds: with stages on other processes, how long a stage worker may
+        stay silent (its gRPC server not answering: stopped, hung, or cut off) during
+        `fit`, `evaluate` or `predict` before a message names it and this process is
+        ended (SIGTERM): TensorFlow would wait for it without end. None: wait.
+
+    Raises:
+      ScheduleError: `num_micro_batches` < 1, an unknown `schedule`, or a `Schedule`
+        that does not fit or fails its dry run (the message shows where).
+      DeviceError: bad devices, R x K is not the number of devices, or R > 1 with
+        devices of other processes.
+      TFConfigError: with `cluster_resolver`, a cluster without workers, or this process
+        is not its chief.
+      ClusterError: with `cluster_resolver`, a worker does not listen within
+        `connect_timeout_seconds`.
+      ValueError: `layout_map` without `tensor_parallel` > 1 or the reverse, a layout map
+        whose mesh disagrees with R, K or T, or tensor parallelism with what it does not
+        run with yet. (A layout it cannot run is a PlacementError when the model is placed,
+        naming the layer and the key.)
+
+    Example:
+      >>> import keras, numpy as np, tfpar
+      >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], num_micro_batches=4)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+      ...                               keras.layers.Dense(3)])
+      ...     model.compile("sgd", "mse")
+      >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
+      >>> print(strategy.schedule_table())  # doctest: +SKIP
+
+      Two stages, each split over 2 devices (a Megatron MLP per stage):
+
+      >>> layout_map = keras.distribution.LayoutMap(None)
+      >>> layout_map[".*mlp_in/kernel"] = (None, "model")   # column
+      >>> layout_map[".*mlp_out/kernel"] = ("model", None)  # row
+      >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"],
+      ...                                   num_stages=2, tensor_parallel=2,
+      ...                                   layout_map=layout_map, num_micro_batches=2)
+      >>> with strategy.scope():
+      ...     model = keras.Sequential([
+      ...         keras.Input((4,)), keras.layers.Dense(8, name="embed"),
+      ...         keras.layers.Dense(32, activation="relu", name="mlp_in"),
+      ...         keras.layers.Dense(8, name="mlp_out"), tfpar.layers.StageBoundary(name="cut"),
+      ...         keras.layers.Dense(3, name="head")])
+      ...     model.compile("adam", "mse")
+      >>> _ = model.fit(np.zeros((16, 4)), np.zeros((16, 3)), batch_size=8, verbose=0)
+      >>> strategy.stages(model)
+      [['embed', 'mlp_in', 'mlp_out'], ['cut', 'head']]
+      >>> [tuple(w.shape) for w in model.get_layer("mlp_in").weights]  # Whole, for Keras.
+      [(8, 32), (32,)]
+
+      One stage per worker process (`tfpar launch --workers 2 --coordinator -- python
+      train.py`, train.py running on the chief):
+
+      >>> import tensorflow as tf
+      >>> resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()  # doctest: +SKIP
+      >>> strategy = tfpar.PipelineStrategy(num_micro_batches=4,  # doctest: +SKIP
+      ...                                   cluster_resolver=resolver)
+      >>> strategy.stage_devices  # doctest: +SKIP
+      (('/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0'),)
+    """
+
+    # Read by the Keras seam (tfpar.keras.replicas): evaluate's losses normalized over the
+    # global batch, BatchNorm statistics averaged over pipeline replicas, gradient
+    # accumulation. The train step weighs its micro-batches itself.
+    _tfpar_exact_replicas = True
+    _tfpar_mirrored = True
+
+    def __init__(self, devices=None, num_micro_batches=4, schedule="gpipe", remat=False,
+                 num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
+                 cluster_resolver=None, connect_timeout_seconds=60.0,
+                 stage_timeout_seconds=120.0, offload_activations=False, shard=None,
+                 tensor_parallel=1, layout_map=None):
+        self._tfpar_shard_stage = sharding.check_shard(shard)
+        self.shard = shard
+        if not isinstance(remat, bool):
+            raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
+        _check_offload(offload_activations, remat)
+        if balance_by not in ("params", "time"):
+            raise PlacementError(f"balance_by must be 'params' or 'time'. Received: "
+                                 f"balance_by={balance_by!r}")
+        # Validates M and the schedule before anything touches devices.
+        if not isinstance(schedule, schedule_lib.Schedule):
+            schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
+        if stage_timeout_seconds is not None and (
+                isinstance(stage_timeout_seconds, bool)
+                or not isinstance(stage_timeout_seconds, (int, float))
+                or not stage_timeout_seconds > 0):
+            raise ValueError(f"stage_timeout_seconds must be a number of seconds > 0, or None "
+                             f"to wait for a silent stage worker without end. Received: "
+                             f"stage_timeout_seconds={stage_timeout_seconds!r}")
+        self._stage_timeout_seconds = stage_timeout_seconds
+        if cluster_resolver is not None:
+            cluster = stage_workers.connect(cluster_resolver, connect_timeout_seconds)
+            if devices is None:
+                devices = cluster.first_devices()
+        resolved = devices_lib.resolve_devices(devices)
+        # The cluster's tasks when stages are on other processes, else None.
+        self._workers = stage_workers.of_devices(resolved)
+        if self._workers is not None:
+            self._workers.check_replicas(resolved, num_replicas)
+        _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
+                               self._workers, schedule=schedule, balance_by=balance_by)
+        self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
+        # The stages' devices: R x K x T, replica-major, then stage, then the model axis.
+        tp_grid = [resolved[i:i + tensor_parallel]
+                   for i in range(0, len(resolved), tensor_parallel)]
+        firsts = [row[0] for row in tp_grid]
+        num_stages = _stage_count(len(firsts), num_replicas, num_stages)
+        if layout_map is not None:
+            tensor_parallel_lib.check_layout_map(layout_map, tensor_parallel, num_stages,
+                                                 num_replicas)
+        self._tp_grid = tuple(tuple(tuple(tp_grid[r * num_stages + s])
+                                    for s in range(num_stages))
+                              for r in range(num_replicas))
+        _check_shard(shard, num_replicas, self._workers, schedule, balance_by)
+        self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
+        self._remat = remat
+        self._offload = offload_activations
+        self._balance_by = balance_by
+        self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
+                               if balance_by == "time" else None)
+        self._micro_batch_rows = None  # Timing's micro-batch: the first batch's, else 32.
+        self._grid = tuple(firsts[r * num_stages:(r + 1) * num_stages]
+                           for r in range(num_replicas))
+        given = [devices] if isinstance(devices, str) else (
+            list(devices) if devices is not None else devices_lib.default_devices())
+        self._display = dict(zip(resolved, given))
+        self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
+        self._lock = threading.RLock()
+        self._tp_substitutes = {}  # id(split variable) -> its shards.
+        # Read by MirroredExtended.
+        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
+        # A shard's copies live on one device of its stage in each replica: each of a
+        # stage's T devices has its own reduction across the replicas.
+        reduction_grid = (tuple(tuple(d for stage in row for d in stage) for row in self._tp_grid)
+                          if tensor_parallel > 1 else None)
+        super(tf.distribute.MirroredStrategy, self).__init__(
+            _PipelineExtended(self, self._grid, reduction_grid))
+        # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
+        # a variable's copies); collectives through the stages' cross-device ops.
+        self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
+        sharded.set_up(self, num_replicas, lambda: sharded.ShardCollectives("all_reduce"),
+                       group_of=mirrored_placement.devices_of)
+        keras_hooks.install_variable_births()
+        keras_hooks.install_model_call_hook()
+        keras_hooks.install_train_step_hook()
+        keras_hooks.install_exact_replicas()
+        keras_hooks.install_crash_safe_backups()
+        if self._workers is not None:
+            keras_hooks.install_cluster_error_explanation()
+
+    def __repr__(self):
+        virtual = self._schedule.virtual_stages
+        return (f"PipelineStrategy(stages={self.num_stages}, micro_batches="
+                f"{self.num_micro_batches}, schedule={self._schedule.name!r}, "
+                f"{f'virtual_stages={virtual}, ' if virtual > 1 else ''}"
+                f"remat={self._remat}, "
+                f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
+                f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''}"
+                f"{f', tensor_parallel={self._tensor_parallel}' if self._tensor_parallel > 1 else ''})")
+
+    @property
+    def num_stages(self):
+        """K, the stages each pipeline replica is cut into."""
+        return self._schedule.num_stages
+
+    @property
+    def num_micro_batches(self):
+        """M, the micro-batches each replica's batch is split into."""
+        return self._schedule.num_micro_batches
+
+    @property
+    def schedule(self):
+        """The validated `tfpar.plan.schedule.Schedule` every step runs."""
+        return self._schedule
+
+    @property
+    def stage_devices(self):
+        """`stage_devices[r][s]`: the device of stage s in pipeline replica r (canonical)."""
+        return self._grid
+
+    @property
+    def tensor_parallel(self):
+        """T, the devices each stage is split over (1: no tensor parallelism)."""
+        return self._tensor_parallel
+
+    @property
+    def tensor_parallel_devices(self):
+        """`tensor_parallel_devices[r][s]`: the T devices of stage s in pipeline replica r
+        (canonical); the first is `stage_devices[r][s]`."""
+        return self._tp_grid
+
+    def chunk_devices(self, replica=0):
+        """The device of each model chunk in pipeline replica `replica` (one chunk per
+        stage, or `virtual_stages` per stage, chunk c on stage c % K)."""
+        row = self._grid[replica]
+        return [row[self._schedule.rank_of(c)] for c in range(self._schedule.num_chunks)]
+
+    @property
+    def communication(self):
+        """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs)."""
+        return self.extended.stage_communication
+
+    def _tfpar_memory_config(self, optimizer_slots=2):
+        # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
+        # stages: the model's own cut when its layers weigh alike).
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                f"tfpar.plan.estimate_memory does not plan a tensor-parallel pipeline yet "
+                f"(tensor_parallel={self._tensor_parallel}: its split layers' bytes are "
+                f"divided over each stage's devices, the rest is not). Estimate the pipeline "
+                f"without it and divide the split layers' share by {self._tensor_parallel}.")
+        return plan_memory.MemoryConfig(
+            "pipeline", self.num_stages, shard=self.shard, optimizer_slots=optimizer_slots,
+            num_replicas=len(self._grid), reshard_after_forward=False)
+
+    def memory_report(self, model, optimizer=None):
+        """Bytes each device holds for training `model` (placing it now if it was not yet),
+        as a `tfpar.plan.MemoryEstimate` whose devices are `stage_devices` in order
+        (replica r's stage s at r * K + s), to compare with
+        `tfpar.plan.estimate_memory(model, strategy)`. Weights and optimizer state: the
+        variables resident on each device. Gradients: each stage's variables' on each of its
+        devices, their owner's only under shard="gradients" and "parameters". Gather
+        (shard="parameters"): the stage's variables a device reads from other owners, all
+        kept from the forward to the backward pass. `optimizer`: the one a custom loop
+        trains with (default: the compiled one)."""
+        if self._tensor_parallel > 1:
+            raise NotImplementedError(
+                "memory_report does not measure a tensor-parallel pipeline yet (its split "
+                "variables are shards on the stages' T devices).")
+        self._place(model)
+        devices = [d for row in self._grid for d in row]
+        stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
+        gradients, gather = [0] * len(devices), [0] * len(devices)
+        for variable in model.trainable_weights:
+            value = variable.value  # (Its tf.Variable, as Keras' optimizer colocates with.)
+            copies = (owners.group_devices(value) if stage
+                      else mirrored_placement.devices_of(value))
+            held = memory.resident_bytes(self, [variable], devices)
+            size = memory.num_bytes(variable)
+            for r, device in enumerate(copies):
+                i = devices.index(device)
+                if stage < 2 or owners.owner_of(value) == r:
+                    gradients[i] += size
+                if not held[i]:
+                    gather[i] += size
+        config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
+        return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
+                              config, devices, gradients, gather)
+
+    def schedule_table(self):
+        """The schedule as a time-step x stage grid (e.g. `1F0`), with its bubble fraction."""
+        return schedule_lib.format_table(self._schedule)
+
+    def stages(self, model):
+        """The layer names of each stage of `model` (placing it now if it was not yet)."""
+        self._place(model)
+        return [stage.layer_names for stage in model._tfpar_pipeline.stages]
+
+    def trace(self, path, model, x, y=None, sample_weight=None, warmup_steps=1,
+              profilers=None):
+        """Profiles a real training step of `model` on one batch; writes its timeline.
+
+        Runs `warmup_steps` steps (at least 1: the first one builds the step), then
+        one under TensorFlow's profiler, and times each action (e.g. `1F0`) on its
+        device from its ops. Writes a Chrome trace to `path` (open it in
+        chrome://tracing or Perfetto) and a picture next to it (`path` with a `.png`
+        suffix). The model trains on the batch, as with `model.train_on_batch`.
+
+        Stages on other tasks (worker processes) are recorded by their own profilers:
+        serve each with `python -m tfpar.cluster.server --profiler_port=P` and pass
+        `profilers={"worker:1": "host:P"}`.
+
+        Returns:
+          The Chrome trace events (a list of dicts).
+        """
+        from tfpar.viz import pipeline_trace
+
+        stage_devices = [d for row in self._grid for d in row]
+        if self._workers is not None:
+            addresses = self._workers.profiler_addresses(stage_devices, profilers)
+        elif profilers:
+            raise ValueError(f"profilers= is for stages on other tasks, but every stage of "
+                             f"this pipeline is in this process. Received: {profilers!r}")
+        else:
+            addresses = []
+        data = tuple(v for v in (x, y, sample_weight) if v is not None)
+        dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
+        iterator = iter(self.experimental_distribute_dataset(dataset))
+
+        @tf.function
+        def step(iterator):
+            return self.run(model.train_step, args=(next(iterator),))
+
+        def run_step():
+            # (Through a tensor's value: a step on other tasks is over when its result is here.)
+            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
+                                  step(iterator), expand_composites=True)
+
+        for _ in range(max(1, warmup_steps)):
+            start = time.perf_counter()
+            run_step()
+        ops = profiling.record_ops(run_step, addresses, time.perf_counter() - start)
+        spans = pipeline_trace.action_spans(ops, self.num_stages)
+        if not spans:
+            raise PlacementError(
+                f"trace() times the pipeline's own train step, but {model.name!r} overrides "
+                f"train_step (or was not created under this strategy's scope).")
+        rows = [f"r{r} stage {s}: {self._name(device)}" if len(self._grid) > 1
+                else f"stage {s}: {self._name(device)}"
+                for r, row in enumerate(self._grid) for s, device in enumerate(row)]
+        empty = [name for i, name in enumerate(rows) if not any(s[1] == i for s in spans)]
+        if empty:
+            # (A task's profiler that started after the step did, or recorded elsewhere.)
+            raise RuntimeError(f"trace() recorded no action of {', '.join(empty)}: its profile "
+                               f"holds none of the step's ops. Profilers given: {profilers!r}.")
+        title = (f"{self._schedule.name}: {self.num_stages} stages x {self.num_micro_batches} "
+                 f"micro-batches{' (remat)' if self._remat else ''}"
+                 f"{f', {len(self._grid)} replicas' if len(self._grid) > 1 else ''}: one step")
+        events = pipeline_trace.write_chrome_trace(path, spans, rows, {"title": title})
+        png = path[:-5] if path.endswith(".json") else path
+        pipeline_trace.draw_timeline(png + ".png", spans, rows, title)
+        return events
+
+    def _name(self, canonical):
+        return self._display.get(canonical, canonical)
+
+    def _tfpar_watching(self):
+        # Entered by the Keras seam around fit, evaluate and predict.
+        if self._workers is None:
+            return contextlib.nullcontext()
+        return self._workers.watching([d for row in self._grid for d in row],
+                                      self._stage_timeout_seconds)
+
+    def _tfpar_explain_lost_task(self, error):
+        # Asked by the Keras seam when fit, evaluate or predict ends with a TensorFlow error.
+        if self._workers is None:
+            return None
+        return self._workers.explain(error, [d for row in self._grid for d in row])
+
+    # -- Placement ---------------------------------------------------------------------
+
+    def _known_home(self, layer):
+        # Stages come from the whole graph (balanced cuts, or markers whose cuts are checked
+        # there): a layer's variables get their storage when the model is placed.
+        return None
+
+    def _place(self, model):
+        with self._lock:
+            if not claim_model(
+                    self, model, getattr(model, "_tfpar_pipeline", None) is not None,
+                    "it cannot be cut into stages"):
+                return
+            program = pipeline_stages.build_program(
+                model, self._schedule.num_chunks,
+                self._time_layer if self._balance_by == "time" else None)
+            planned = (tensor_parallel_lib.plan_layers(program, self._layout_map,
+                                                       self._tensor_parallel)
+                       if self._tensor_parallel > 1 else {})  # Refusals, before any storage.
+            with tf.init_scope(), self._creating_variables():
+                if planned:
+                    program.stages = tensor_parallel_lib.split_program(
+                        program, planned, self._shard_homes, self._split_devices)
+                    self._tp_substitutes.update(program.substitutes)
+                for stage in program.stages:
+                    devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
+                    for variable in stage.placed_variables:
+                        mirrored_placement.move_copies(variable, devices)
+                for variables, device in pipeline_stages.pinned_variables(program):
+                    for variable in variables:
+                        mirrored_placement.move_copies(variable, [device] * len(self._grid))
+                self.extended.follow_colocated(getattr(model, "optimizer", None))
+            object.__setattr__(model, "_tfpar_pipeline", program)
+            object.__setattr__(model, "_tfpar_original_call", model.call)
+            object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
+            mark_placed(self, model)
+
+    def _shard_homes(self, chunk):
+        """For each of chunk's T devices, its device in every replica."""
+        rank = self._schedule.rank_of(chunk)
+        return [[row[rank][t] for row in self._tp_grid] for t in range(self._tensor_parallel)]
+
+    def _split_devices(self, chunk):
+        """(This replica's T devices of `chunk`, how their reductions run); asked while a
+        step is built."""
+        devices = self._tp_grid[replica_id()][self._schedule.rank_of(chunk)]
+        return devices, tensor_parallel_lib.communication_of(devices)
+
+    def _tfpar_optimizer_variables(self, variables):
+        # Asked by the Keras seam when an optimizer is built: split variables are trained
+        # as their shards (placing their model first, which makes them).
+        if self._tensor_parallel == 1:
+            return variables
+        for variable in variables:
+            self._tfpar_first_use(variable)  # (Nothing unless it is pending.)
+        return [s for v in variables for s in self._tp_substitutes.get(id(v), (v,))]
+
+    def _time_layer(self, layer, first):
+        """Seconds of `layer`'s forward and backward on one micro-batch (with the input
+        gradient unless it is the model's first layer), timed on a CPU the strategy does
+        not use; its variables get their storage there, and move once when placed."""
+        with tf.init_scope(), self._creating_variables():
+            for variable in layer.variables:
+                if variable_birth.has_no_storage(variable):
+                    variable_birth.materialize(variable, [self._timing_device] * len(self._grid))
+        return layer_timing.layer_seconds(layer, self._micro_batch_rows or 32,
+                                          self._timing_device, input_gradient=not first)
+
+    def _tfpar_xla_refusal(self, model):
+        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
+        return xla_refusal(model, "PipelineStrategy", "its stages run",
+                           len({d for row in self._grid for d in row}))
+
+    def _tfpar_step_refusal(self, model, step_function):
+        # Asked by the Keras seam before Keras builds a train/test/predict step.
+        if getattr(step_function, "__name__", "") != "train_step":
+            return None
+        if steps.is_keras_train_step(type(model).train_step):
+            return None  # Keras' step, which the seam hands to this strategy.
+        return (f"PipelineStrategy builds the training step of {model.name!r} itself (micro-"
+                f"batches in schedule order), but {type(model).__name__} overrides train_step, "
+                f"which would run outside the schedule (no interleaved forward and backward "
+                f"passes). Move the custom logic into compute_loss (pipelined, with "
+                f"self.compute_loss semantics) and drop the train_step override, or train "
+                f"it with tfpar.ModelParallelStrategy.")
+
+    # -- Training (called by the Keras seam for model.train_step) -----------------------
+
+    def _tfpar_train_step(self, model, data):
+        if self._micro_batch_rows is None:  # Known now, for balance_by="time".
+            first = next((t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)), None)
+            if first is not None and first.shape.rank and first.shape[0] is not None:
+                self._micro_batch_rows = max(1, int(first.shape[0]) // self.num_micro_batches)
+        self._place(model)
+        replica = replica_id()
+        x, y, sample_weight = steps.unpack_x_y_sample_weight(data)
+        devices = self.chunk_devices(replica)
+        step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, devices,
+                                       self._schedule, self._remat, replica, len(self._grid),
+                                       offload_devices=self._offload_devices(devices))
+        versions = self._weight_versions(model)
+        if versions is not None:
+            versions.use_older(model.optimizer.iterations)
+        with own_loss_normalization():
+            loss, y_pred, grads = step(x, y, sample_weight)
+        # The replicas' losses add up to the global batch's (their shares are global);
+        # the seam reports their sum.
+        steps.track_loss(model, loss, x)
+        if versions is not None:
+            with tf.control_dependencies(pipeline_exec.tensors_of(grads)):
+                versions.use_current()
+        if model.trainable_weights:
+            model.optimizer.apply_gradients(zip(
+                grads, model._tfpar_pipeline.optimizer_variables(model.trainable_weights)))
+        if versions is not None:
+            versions.mark_saved(model.optimizer.iterations)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _offload_devices(self, devices):
+        """Where each chunk on `devices` keeps its inputs for the backward, or None."""
+        if not self._offload:
+            return None
+        if self._offload is True:
+            return [devices_lib.host_of(d) for d in devices]
+        return [canonical_device(self._offload)] * len(devices)
+
+    def _weight_versions(self, model):
+        """PipeDream-2BW's older weights of `model` (None unless the schedule has two
+        weight versions), made on the first step."""
+        if self._schedule.weight_versions == 1 or not model.trainable_weights:
+            return None
+        versions = getattr(model, "_tfpar_weight_versions", None)
+        if versions is None or not versions.covers(model.trainable_weights):
+            versions = WeightVersions(model.trainable_weights)
+            object.__setattr__(model, "_tfpar_weight_versions", versions)
+        return versions
+
+
+def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
+    """The placed model's `call`: micro-batches through the stages (forward)."""
+    if (mask is not None or kwargs or models.in_symbolic_scope()
+            or models.any_symbolic_tensors((inputs,))):
+        return model._tfpar_original_call(inputs, training=training, mask=mask, **kwargs)
+    strategy = model._tfpar_placed_by
+    if strategy.tensor_parallel > 1 and tf_runtime.tape_recording():
+        raise ValueError(
+            f"{model.name!r} was called under a GradientTape (a custom training loop) on a "
+            f"tensor-parallel pipeline, which trains its split layers' shards, not the "
+            f"whole variables a custom loop would differentiate. Train it with model.fit "
+            f"(or train_on_batch), or use tensor_parallel=1 for custom loops.")
+    replica = replica_id()
+    return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
+                                 strategy.num_micro_batches, inputs, training)
+
+
+def _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages):
+    """The validated schedule: built from its name, or a user's `Schedule`, which must
+    fit the strategy (its stages, micro-batches and virtual stages)."""
+    if not isinstance(schedule, schedule_lib.Schedule):
+        built = schedule_lib.make_schedule(schedule, num_stages, num_micro_batches,
+                                           virtual_stages)
+        schedule_lib.validate(built)
+        return built
+    for what, theirs, ours in (("num_stages", schedule.num_stages, num_stages),
+                               ("num_micro_batches", schedule.num_micro_batches,
+                                num_micro_batches),
+                               ("virtual_stages", schedule.virtual_stages, virtual_stages)):
+        if theirs != ours:
+            raise ScheduleError(
+                f"The schedule {schedule.name!r} has {what}={theirs}, but the strategy has "
+                f"{what}={ours}: pass {what}={theirs} to PipelineStrategy, or build the "
+                f"schedule for {ours}.")
+    schedule_lib.validate(schedule)
+    return schedule
+
+
+def _stage_count(num_devices, num_replicas, num_stages):
+    if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+        raise DeviceError(f"num_replicas must be an integer >= 1. Received: {num_replicas!r}")
+    if num_stages is None:
+        if num_devices % num_replicas:
+            raise DeviceError(
+                f"{num_devices} devices do not split into {num_replicas} pipeline replicas of "
+                f"equal length: num_replicas x num_stages must equal the number of devices. "
+                f"Use a multiple of {num_replicas} devices, or another num_replicas.")
+        return num_devices // num_replicas
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise DeviceError(f"num_stages must be an integer >= 1 or None. Received: {num_stages!r}")
+    if num_stages * num_replicas != num_devices:
+        raise DeviceError(
+            f"num_replicas x num_stages ({num_replicas} x {num_stages} = "
+            f"{num_replicas * num_stages}) must equal the number of devices ({num_devices}): "
+            f"each pipeline replica runs one stage per device. Pass {num_replicas * num_stages} "
+            f"devices, or num_stages=None.")
+    return num_stages
+
+
+def _check_shard(shard, num_replicas, workers, schedule, balance_by):
+    """Refuses what ZeRO over a pipeline's replicas cannot do, saying what to use."""
+    if not shard:
+        return
+    if num_replicas < 2:
+        raise ValueError(
+            f"shard={shard!r} divides each stage's state over the stage's num_replicas "
+            f"copies; with num_replicas={num_replicas} there is one copy and nothing to "
+            f"divide. Pass num_replicas=2 or more (num_replicas x num_stages devices), or "
+            f"drop shard.")
+    if workers is not None:
+        raise ValueError(
+            f"shard={shard!r} with stages on other processes is not supported (a pipeline "
+            f"across processes has one replica). Drop shard, or train on one host.")
+    name = schedule.name if isinstance(schedule, schedule_lib.Schedule) else schedule
+    if name == "2bw":
+        raise ValueError(
+            f"schedule='2bw' keeps an older copy of every weight next to each replica's "
+            f"copy, which shard={shard!r} does not divide. Use schedule='1f1b' (the same "
+            f"order and bubble) with shard, or schedule='2bw' without shard.")
+    if shard == "parameters" and balance_by == "time":
+        raise ValueError(
+            "shard='parameters' makes each variable on its owner's stage device when the "
+            "model is placed; balance_by='time' times layers before that, on another "
+            "device. Use balance_by='params' or tfpar.layers.StageBoundary markers.")
+
+
+def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replicas, workers,
+                           **others):
+    """Refuses tensor parallelism that is not asked for clearly, or that is combined with
+    what it does not run with yet."""
+    if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
+            or tensor_parallel < 1):
+        raise ValueError(f"tensor_parallel must be an integer >= 1 (the devices each stage is "
+                         f"split over). Received: tensor_parallel={tensor_parallel!r}")
+    if tensor_parallel == 1:
+        if layout_map is not None:
+            mesh = getattr(layout_map, "device_mesh", None)
+            sizes = dict(zip(mesh.axis_names, mesh.shape)) if mesh is not None else {}
+            size = sizes.get("model", "T (e.g. 2)")
+            raise ValueError(
+                f"layout_map says how each stage's layers are split over its "
+                f"tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
+                f"Pass tensor_parallel={size}, or drop layout_map.")
+        return
+    if layout_map is None:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} needs a layout_map saying which layers to "
+            f"split, e.g. layout_map['.*mlp_in/kernel'] = (None, 'model') (column) and "
+            f"layout_map['.*mlp_out/kernel'] = ('model', None) (row).")
+    if num_devices % tensor_parallel:
+        raise DeviceError(
+            f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
+            f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
+    unsupported = {
+        "cluster_resolver": (workers is not None, "stages on other processes"),
+        "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
+        "schedule": ((others["schedule"].name if isinstance(others["schedule"],
+                                                            schedule_lib.Schedule)
+                      else others["schedule"]) == "2bw",
+                     "schedule='2bw' (its older copy of the weights is not split)"),
+    }
+    for name, (given, what) in unsupported.items():
+        if given:
+            raise ValueError(
+                f"tensor_parallel={tensor_parallel} does not run with {what} yet ({name}="
+                f"{others[name]!r}): "
+                f"drop {name}, or tensor_parallel.")
+
+
+def _check_offload(offload, remat):
+    if offload is False or offload is None:
+        return
+    if not (offload is True or isinstance(offload, str)):
+        raise ValueError(f"offload_activations must be True, False or a device name such as "
+                         f"'/job:chief/replica:0/task:0/device:CPU:0'. Received: "
+                         f"offload_activations={offload!r}")
+    if not remat:
+        raise ValueError(
+            "offload_activations needs remat=True: it moves what remat keeps (each stage's "
+            "input per micro-batch) to host memory. Without remat a stage keeps every "
+            "intermediate activation inside TensorFlow's gradient graph, which cannot be "
+            "moved. Pass remat=True, offload_activations=... .")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReduction:
+    """How one stage's gradients are all-reduced across its copies in the R replicas."""
+
+    devices: tuple  # The stage's device in each replica, canonical.
+    communication: str  # "nccl" when they are all GPUs (see select_communication).
+    ops: object  # The tf.distribute.CrossDeviceOps doing it.
+
+
+def stage_reductions(grid, collective_keys):
+    """One `StageReduction` per stage of `grid[replica][stage]` devices."""
+    reductions = []
+    for s in range(len(grid[0])):
+        devices = tuple(canonical_device(row[s]) for row in grid)
+        communication = select_communication(
+            "auto", [devices_lib.device_type(d) for d in devices],
+            physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
+        reductions.append(StageReduction(devices, communication, make_cross_device_ops(
+            communication, devices, collective_keys)))
+    return reductions
+
+
+@internals.overrides
+class _PipelineExtended(tf_runtime.mirrored_extended()):
+    """A mirrored strategy over the replicas' first devices, with one reduction per stage.
+
+    Variables are mirrored over the replicas; placement moves each copy to its
+    stage's device. A gradient's copies then live on one stage's R devices, and
+    are reduced by that stage's cross-device ops.
+    """
+
+    def __init__(self, container_strategy, grid, reduction_grid=None):
+        self._grid = grid
+        self._reduction_grid = reduction_grid or grid
+        super().__init__(container_strategy, devices=[row[0] for row in grid])
+
+    def _initialize_strategy(self, devices):
+        super()._initialize_strategy(devices)
+        reductions = stage_reductions(self._grid, tf_runtime.collective_keys(self))
+        self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
+        self._stage_ops = {r.devices: r.ops for r in reductions}
+        if self._reduction_grid is not self._grid:  # Tensor parallelism: one per device.
+            self._stage_ops.update({r.devices: r.ops for r in stage_reductions(
+                self._reduction_grid, tf_runtime.collective_keys(self))})
+        # Stage 0's devices are the replicas'.
+        tf_runtime.set_cross_device_ops(self, reductions[0].ops)
+
+    def _get_cross_device_ops(self, value):
+        ops = super()._get_cross_device_ops(value)
+        if (ops is not tf_runtime.cross_device_ops(self)
+                or not isinstance(value, tf.distribute.DistributedValues)):
+            return ops  # XLA or int32: TensorFlow's own choice.
+        devices = tuple(canonical_device(v.device) for v in value.values)
+        return self._stage_ops.get(devices, ops)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        # Gradients of different stages live on different devices: reduce each
+        # stage's group with that stage's ops.
+        groups = {}
+        for i, (value, _) in enumerate(value_destination_pairs):
+            ops = self._get_cross_device_ops(value)
+            groups.setdefault(id(ops), (ops, []))[1].append(i)
+        results = [None] * len(value_destination_pairs)
+        for ops, indices in groups.values():
+            reduced = ops.batch_reduce(
+                reduce_op, [value_destination_pairs[i] for i in indices],
+                options=tf_runtime.communication_options(self).merge(options))
+            for i, value in zip(indices, reduced):
+                results[i] = value
+        return results
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
+        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
+            super()._validate_colocate_with_variable(colocate_with_variable)
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        home = variable_birth.current_variable_home()  # Where tfpar says it is born.
+        if (home is None and colocate_with is None and kwargs.get("trainable", True)
+                and tf_runtime.container_strategy(self)._tfpar_shard_stage == 3):
+            home = tf_runtime.container_strategy(self)._default_home  # (A variable of no layer.)
+        copies = None
+        if colocate_with is None and home is not None:
+            # MirroredExtended makes one copy per device of what it colocates with.
+            copies = tuple(map(canonical_device, home * len(self._grid) if len(home) == 1
+                               else home))
+        # Under shard=...: optimizer state on its variable's owner among the stage's
+        # devices; under shard="parameters", a trainable variable on its owner only.
+        owned = sharded.on_owner(tf_runtime.container_strategy(self), next_creator, kwargs,
+                                 copies, 0)
+        if owned is not None:
+            return owned
+        if copies is not None:
+            kwargs["colocate_with"] = tf_variables.colocate_with_devices(copies)
+        variable = super()._create_variable(next_creator, **kwargs)
+        if copies is not None:
+            tf_variables.check_copies_on(mirrored_placement.devices_of(variable), copies)
+        distributed_variable = tf_variables.distributed_variable_class()
+        if isinstance(colocate_with, distributed_variable) and isinstance(
+                variable, distributed_variable):
+            # Optimizer state: when placement later moves `colocate_with`, it follows.
+            variable._tfpar_colocated_with = colocate_with
+        return variable
+
+    def follow_colocated(self, optimizer):
+        """Moves optimizer state created next to a variable that has since moved."""
+        for variable in getattr(optimizer, "variables", ()):
+            distributed = mirrored_placement.distributed_value(variable)
+            target = getattr(distributed, "_tfpar_colocated_with", None)
+            if target is not None and (mirrored_placement.devices_of(target)
+                                       != mirrored_placement.devices_of(variable)):
+                mirrored_placement.move_copies(variable, mirrored_placement.devices_of(target))
