@@ -184,6 +184,27 @@ def cpus(n):
     return [f"/cpu:{i}" for i in range(n)]
 
 
+def device_index(device):
+    """The index of a device string ("/job:localhost/.../device:CPU:1" -> 1), None if empty."""
+    import tensorflow as tf
+
+    return tf.DeviceSpec.from_string(device).device_index if device else None
+
+
+def tf_functions_in(fn, depth=0):
+    """The tf.functions a Keras train function closes over: what fit really ran."""
+    import tensorflow as tf
+
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, tf.types.experimental.PolymorphicFunction):
+            found.append(value)
+        elif callable(value) and depth < 3:
+            found += tf_functions_in(value, depth + 1)
+    return found
+
+
 def small_model(seed=0, inputs=4, classes=3):
     """A small MLP with deterministic weights."""
     import keras

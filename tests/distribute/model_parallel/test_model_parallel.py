@@ -13,7 +13,7 @@ from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.keras.models import placement_units
 
-from conftest import cpus, toy_data
+from conftest import cpus, device_index, tf_functions_in, toy_data
 
 BATCH = 16
 NAMES = ("alpha", "beta", "gamma")
@@ -78,10 +78,6 @@ def assert_weights_equal(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-5)
 
 
-def device_index(device):
-    return tf.DeviceSpec.from_string(device).device_index if device else None
-
-
 def graph_nodes(concrete_functions):
     """Every node of the functions' graphs, including nested (loop body) functions."""
     nodes = []
@@ -116,18 +112,6 @@ def assert_compute_on_layer_devices(nodes, expected):
     for layer, counts in seen.items():
         assert counts["forward"] >= 2 and counts["backward"] >= 3, (layer, counts)
     return {layer: counts["types"] for layer, counts in seen.items()}
-
-
-def tf_functions_in(fn, depth=0):
-    """The tf.functions a Keras train function closes over: what fit really ran."""
-    found = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        value = cell.cell_contents
-        if isinstance(value, tf.types.experimental.PolymorphicFunction):
-            found.append(value)
-        elif callable(value) and depth < 3:
-            found += tf_functions_in(value, depth + 1)
-    return found
 
 
 def tape_step(model, optimizer):

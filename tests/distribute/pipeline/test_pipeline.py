@@ -17,8 +17,7 @@ from tfpar.plan.schedule import BACKWARD, bubble_fraction, make_schedule
 from tfpar.viz import pipeline_profiler as profiling
 from tfpar.viz.pipeline_trace import action_of_op
 
-from conftest import cpus, toy_data
-from test_model_parallel import device_index, tf_functions_in
+from conftest import cpus, device_index, tf_functions_in, toy_data
 
 BATCH = 16
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
