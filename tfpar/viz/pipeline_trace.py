@@ -130,6 +130,15 @@ def write_chrome_trace(path, spans, row_names, metadata=None):
     return events
 
 
+def write_step_trace(path, spans, row_names, title):
+    """A step's timeline as files: a Chrome trace at `path` and its picture beside it (`path`
+    with `.png` in place of a `.json` suffix). Returns the trace events."""
+    events = write_chrome_trace(path, spans, row_names, {"title": title})
+    png = path[:-5] if path.endswith(".json") else path
+    draw_timeline(png + ".png", spans, row_names, title)
+    return events
+
+
 def _font(size):
     from PIL import ImageFont
 

@@ -472,10 +472,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         title = (f"{self._schedule.name}: {self.num_stages} stages x {self.num_micro_batches} "
                  f"micro-batches{' (remat)' if self._remat else ''}"
                  f"{f', {len(self._grid)} replicas' if len(self._grid) > 1 else ''}: one step")
-        events = pipeline_trace.write_chrome_trace(path, spans, rows, {"title": title})
-        png = path[:-5] if path.endswith(".json") else path
-        pipeline_trace.draw_timeline(png + ".png", spans, rows, title)
-        return events
+        return pipeline_trace.write_step_trace(path, spans, rows, title)
 
     def _name(self, canonical):
         return self._display.get(canonical, canonical)
