@@ -353,7 +353,7 @@ def test_every_wrapped_attribute_is_in_the_manifest(monkeypatch):
         f"listed but not wrapped: {sorted(expected - recorded)}")
     # And no module wraps Keras another way than through hooks._wrap_once.
     calls = [p.name for p, text in SOURCES.items() for _ in re.findall(r"_wrap_once\(", text)]
-    assert set(calls) == {"hooks.py", "mesh.py"}
+    assert set(calls) == {"hooks.py", "keras_distribution.py"}
 
 
 def test_wrapping_a_missing_attribute_fails_closed():
