@@ -1,4 +1,7 @@
-"""The `tfpar` console script: `tfpar train [flags]`, `tfpar launch [flags] -- command`."""
+"""The programs. This package is the `tfpar` console script (`tfpar train [flags]`,
+`tfpar launch [flags] -- command`; `python -m tfpar.cli` runs it too); its modules: `train`
+(the training binary, `python -m tfpar.cli.train`), `launch` (the local cluster launcher),
+`factory` (strategies by name), `cuda_noise` (stderr without TensorFlow's CUDA probe lines)."""
 
 import sys
 
@@ -19,6 +22,3 @@ def main(argv=None):
     module.entry()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
