@@ -115,7 +115,9 @@ def _imports_of(prefixes):
 PURE_MAY_READ = {("tfpar.viz.pipeline_trace", "tensorflow.tsl.profiler.protobuf")}
 
 
-@pytest.mark.parametrize("prefix", ["tfpar.plan", "tfpar.viz", "tfpar.cluster.tf_config"])
+# (tfpar.viz.pipeline_profiler runs TensorFlow's profiler: glue, beside the drawing it feeds.)
+@pytest.mark.parametrize("prefix", ["tfpar.plan", "tfpar.viz.pipeline_trace",
+                                    "tfpar.cluster.tf_config"])
 def test_pure_modules_import_no_tensorflow_glue(prefix):
     imports = _imports_of([prefix])
     assert imports
@@ -138,8 +140,8 @@ def test_plan_imports_only_plan_the_contract_and_the_errors():
 
 # Keras is imported by the seam, the Keras layers and the programs; the runtime asks the
 # seam (tfpar.keras.models, .steps, .mesh, ...) instead.
-KERAS_IMPORTERS = ["tfpar.keras", "tfpar.layers", "tfpar.cli.train", "tfpar.cli", "tfpar.cli.launch",
-                   "tfpar.cluster.server", "tfpar.cluster.data_service", "tfpar.cli.factory", "tfpar.data"]
+KERAS_IMPORTERS = ["tfpar.keras", "tfpar.layers", "tfpar.cli", "tfpar.cluster.server",
+                   "tfpar.cluster.data_service", "tfpar.data"]
 
 
 def keras_importers_outside_the_seam(imports):
@@ -157,12 +159,12 @@ def test_a_stray_keras_import_is_caught(tmp_path):
     """A function-local `import keras` in the runtime is caught; one in a docstring is not."""
     module = tmp_path / "model_parallel.py"
     module.write_text('"""\n>>> import keras\n"""\n\ndef f():\n    import keras.layers\n')
-    imported = imported_modules("tfpar.distribute.model_parallel.model_parallel_strategy", module, _modules())
-    assert keras_importers_outside_the_seam({"tfpar.distribute.model_parallel.model_parallel_strategy": imported}) == [
-        "tfpar.distribute.model_parallel.model_parallel_strategy: keras.layers"]
+    name = "tfpar.distribute.model_parallel.model_parallel_strategy"
+    imported = imported_modules(name, module, _modules())
+    assert keras_importers_outside_the_seam({name: imported}) == [f"{name}: keras.layers"]
     module.write_text('"""\n>>> import keras\n"""\n')
-    imported = imported_modules("tfpar.distribute.model_parallel.model_parallel_strategy", module, _modules())
-    assert not keras_importers_outside_the_seam({"tfpar.distribute.model_parallel.model_parallel_strategy": imported})
+    imported = imported_modules(name, module, _modules())
+    assert not keras_importers_outside_the_seam({name: imported})
 
 
 # The seam never imports the strategies' runtime: the runtime hands the seam what it needs
@@ -294,3 +296,32 @@ def test_a_private_named_in_the_runtime_is_caught():
         "1: 'tensorflow.python.eager.context.context'"]
     assert private_names("from keras.src import backend\n", {}) == [
         "1: import keras.src"]
+
+def test_module_file_names_are_unique():
+    """One file name, one module: `memory.py` in three packages read as one in a traceback,
+    a grep or an import line."""
+    by_name = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT.parent)))
+    repeated = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1}
+    assert not repeated, repeated
+
+
+# The runtime has one subpackage per parallelism; what several share is in common/. A
+# family imports common/ and itself only, common/ no family. ZeRO is an option of
+# DataParallelStrategy (shard=...): data parallelism may import it.
+FAMILY_MAY_IMPORT = {("data_parallel", "zero")}
+
+
+def _family(module):
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["tfpar", "distribute"] else None
+
+
+def test_each_parallelism_imports_only_the_shared_runtime_and_itself():
+    stray = sorted(f"{module}: {m}"
+                   for module, imported in _imports_of(["tfpar.distribute"]).items()
+                   for m in imported if _family(m) not in (None, "common", _family(module))
+                   and (_family(module), _family(m)) not in FAMILY_MAY_IMPORT)
+    assert not stray, stray
