@@ -7,9 +7,9 @@
 - `steps.py`: pieces of Keras' train step that tfpar's own steps share;
 - `models.py`: Keras models, layers and variables as the strategies see them (what is a
   model, the layers a model is placed by, a layer's call shapes, a build from shapes);
-- `stages.py`: a functional or Sequential model cut into pipeline stages, each run by
+- `pipeline_stages.py`: a functional or Sequential model cut into pipeline stages, each run by
   Keras' own graph runner;
-- `parameter_server.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
+- `ps_loops.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
 - `tf_runtime.py`, `tf_variables.py`, `tf_coordinator.py`: TensorFlow's distribution
   runtime (extended classes and their state, collectives, devices, the eager context),
   its variables' copies, the parameter-server coordinator, as the strategies use them;

@@ -1,6 +1,6 @@
 """Data parallelism across TF_CONFIG workers: the cluster count and the collective extended.
 
-`tfpar.DataParallelStrategy` (in `data_parallel.py`) becomes its multi-worker form
+`tfpar.DataParallelStrategy` (in `data_parallel_strategy.py`) becomes its multi-worker form
 when the cluster has several workers; this module holds the TensorFlow glue of that form.
 """
 
