@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import PlacementError
-from tfpar.keras import tensor_parallel as keras_tp
+from tfpar.keras import split_variables as keras_tp
 from tfpar.keras import variable_birth
 from tfpar.plan.communication import select_communication
 

@@ -19,9 +19,11 @@ import tfpar
 from tfpar.distribute.pipeline import tensor_parallel as tp
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.keras import internals
-from tfpar.keras import tensor_parallel as keras_tp
+from tfpar.keras import split_variables as keras_tp
 
 from conftest import cpus
+
+TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 H, INPUTS, OUTPUTS, BATCH, M = 8, 6, 3, 16, 2
 
@@ -247,9 +249,9 @@ def test_a_column_layer_read_by_an_unsplit_one_and_a_row_layer_of_a_whole_input(
 
 def test_two_replicas_of_the_split_pipeline_train_as_one_device_with_and_without_zero():
     # R=2 x K=2 x T=2 needs 8 devices: a process of its own.
-    worker = os.path.join(os.path.dirname(__file__), "workers", "pipeline_tp_replicas.py")
+    worker = os.path.join(TESTS, "workers", "pipeline_tp_replicas.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+        [os.path.dirname(TESTS)]
         + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     done = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env,
                           timeout=300)
