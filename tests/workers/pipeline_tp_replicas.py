@@ -16,8 +16,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "distribute", "pipeline"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.join(TESTS, "distribute", "pipeline")]  # conftest, the test
 from test_pipeline_tensor_parallel import BATCH, _data, megatron_layout, megatron_mlp  # noqa: E402
 from tfpar.keras import internals  # noqa: E402
 from tfpar.keras import split_variables as keras_tp  # noqa: E402
