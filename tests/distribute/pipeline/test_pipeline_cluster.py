@@ -244,7 +244,7 @@ def test_unreachable_workers_fail_within_the_timeout():
     with pytest.raises(tfpar.errors.ClusterError,
                        match=r"Cannot reach worker:0 \(127\.0\.0\.1:\d+\), worker:1 "
                              r"\(127\.0\.0\.1:\d+\) after 0\.5s\. Start `python -m "
-                             r"tfpar\.server` for each worker task"):
+                             r"tfpar\.cluster\.server` for each worker task"):
         tfpar.PipelineStrategy(cluster_resolver=resolver, connect_timeout_seconds=0.5)
     assert time.monotonic() - start < 10
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
