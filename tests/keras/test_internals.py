@@ -311,6 +311,12 @@ def test_an_override_of_a_missing_private_fails_closed():
     # An override of a private that is not in the manifest is refused too.
     with pytest.raises(KeyError, match="_make_variable.*internals.OVERRIDES"):
         internals.overrides(subclass(Renamed, _make_variable=create))
+    # A tfpar mixin's overrides are checked on each TensorFlow class mixing it in.
+    mixin = internals.overrides(type("Mixin", (), {"__module__": "tfpar.example",
+                                                   "_create_variable": create}))
+    assert internals.overrides(type("Mixed", (mixin, Extended), {"__module__": "tfpar.example"}))
+    with pytest.raises(InternalsError, match=rf"_create_variable of Renamed.*Mixed.*{tested}"):
+        internals.overrides(type("Mixed", (mixin, Renamed), {"__module__": "tfpar.example"}))
 
 
 def _all_wraps(monkeypatch):

@@ -415,8 +415,13 @@ overriding = set()  # Names of the classes `overrides` checked (a test reads it)
 def overrides(cls):
     """Class decorator for a tfpar subclass of a TensorFlow or Keras class: every private it
     overrides (listed in OVERRIDES) must still be defined by one of its TensorFlow or Keras
-    bases, else InternalsError: a renamed private would leave the override never called."""
+    bases, else InternalsError: a renamed private would leave the override never called.
+    On a tfpar mixin (no such base) it declares the mixin's overrides, which are checked on
+    each decorated class that mixes it in."""
     names, bases = own_privates(cls)
+    if not bases:  # A tfpar mixin: checked with each TensorFlow class that mixes it in.
+        overriding.add(f"{cls.__module__}.{cls.__qualname__}")
+        return cls
     unlisted = sorted(overridden(cls) - set(OVERRIDES))
     if unlisted:
         raise KeyError(f"{cls.__name__} overrides {unlisted}, not in tfpar's manifest of "

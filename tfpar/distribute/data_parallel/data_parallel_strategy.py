@@ -204,7 +204,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
 
 @internals.overrides
-class _DataParallelExtended(tf_runtime.mirrored_extended()):
+class _DataParallelExtended(sharded.OwnerPlacedVariables, tf_runtime.mirrored_extended()):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack):
@@ -222,19 +222,8 @@ class _DataParallelExtended(tf_runtime.mirrored_extended()):
         dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
         return super()._experimental_distribute_dataset(dataset, options)
 
-    def _validate_colocate_with_variable(self, colocate_with_variable):
-        # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
-        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
-            super()._validate_colocate_with_variable(colocate_with_variable)
-
-    def _create_variable(self, next_creator, **kwargs):
-        # Under shard=..., state made for a trainable variable (Keras' optimizer slots,
-        # made next to their variable) lives on the variable's owner only, and under
-        # shard="parameters" so does the trainable variable itself.
-        strategy = tf_runtime.container_strategy(self)
-        owned = sharded.on_owner(strategy, next_creator, kwargs,
-                                 tf_runtime.replica_devices(self), 0)
-        return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
+    def _zero_local_replicas(self):
+        return tf_runtime.replica_devices(self), 0
 
 
 class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiWorkerMirroredStrategy):

@@ -117,7 +117,8 @@ def rank(value):
 
 
 @internals.overrides
-class MultiWorkerExtended(tf_runtime.collective_all_reduce_extended()):
+class MultiWorkerExtended(sharded.OwnerPlacedVariables,
+                          tf_runtime.collective_all_reduce_extended()):
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # Keras reduces a whole (x, y) data batch in one call; the stock code only
@@ -134,15 +135,5 @@ class MultiWorkerExtended(tf_runtime.collective_all_reduce_extended()):
             dataset, tf_runtime.num_replicas_in_sync(self), in_pipeline=False)
         return super()._experimental_distribute_dataset(dataset, options)
 
-    def _validate_colocate_with_variable(self, colocate_with_variable):
-        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
-            super()._validate_colocate_with_variable(colocate_with_variable)
-
-    def _create_variable(self, next_creator, **kwargs):
-        # Under shard=..., optimizer state (and under shard="parameters" the trainable
-        # variable) lives on its owner replica's worker only (tfpar.distribute.zero.zero_sharding);
-        # the other workers hold an empty stand-in.
-        strategy = tf_runtime.container_strategy(self)
-        first = tf_runtime.first_local_replica(self)
-        owned = sharded.on_owner(strategy, next_creator, kwargs, self.worker_devices, first)
-        return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
+    def _zero_local_replicas(self):
+        return self.worker_devices, tf_runtime.first_local_replica(self)

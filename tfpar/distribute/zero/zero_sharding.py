@@ -298,6 +298,27 @@ def read_parameter(strategy, variable, owner, shape):
     return from_owner(local)
 
 
+@internals.overrides
+class OwnerPlacedVariables:
+    """What a mirrored extended (one host or a worker's) does for ZeRO: state made for a
+    trainable variable lives on the variable's owner only, and under shard="parameters" so
+    does the trainable variable itself (on other workers an empty stand-in). Mixed in
+    before TensorFlow's extended class; `_zero_local_replicas()` gives this worker's replica
+    devices and the replica index of the first."""
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        # A stage-3 variable lives on one device, as no stock mirrored variable does.
+        if not colocates_with_owned(tf_runtime.container_strategy(self),
+                                    colocate_with_variable):
+            super()._validate_colocate_with_variable(colocate_with_variable)
+
+    def _create_variable(self, next_creator, **kwargs):
+        devices, first = self._zero_local_replicas()
+        owned = on_owner(tf_runtime.container_strategy(self), next_creator, kwargs, devices,
+                         first)
+        return owned if owned is not None else super()._create_variable(next_creator, **kwargs)
+
+
 def colocates_with_owned(strategy, variable):
     """True for a stage-3 variable (one copy, on its owner), next to which Keras makes
     optimizer state: stock strategies accept only their mirrored variables there."""
