@@ -37,29 +37,19 @@ CANDIDATES = {  # name: (strategy, its arguments)
 }
 
 
-def make_strategy(kind, arguments, micro_batches):
+def make_strategy(kind, arguments, micro_batches, layers):
     import tfpar
+    from tfpar.cli.train import megatron_layout_map
 
     devices = [f"/cpu:{i}" for i in range(DEVICES)]
     if kind == "data":
         return tfpar.DataParallelStrategy(devices, **arguments)
     tensor_parallel = arguments.get("tensor_parallel", 1)
     if tensor_parallel > 1:
-        arguments = dict(arguments, layout_map=megatron_layout_map())
+        arguments = dict(arguments, layout_map=megatron_layout_map(layers))
     return tfpar.PipelineStrategy(devices, num_stages=2,
                                   num_replicas=DEVICES // 2 // tensor_parallel,
                                   schedule="1f1b", num_micro_batches=micro_batches, **arguments)
-
-
-def megatron_layout_map():
-    """Hidden layers in Megatron pairs: even ones split by output units, odd by inputs."""
-    import keras
-
-    layout_map = keras.distribution.LayoutMap(None)
-    layout_map[r".*hidden_\d*[02468]/kernel"] = (None, "model")
-    layout_map[r".*hidden_\d*[02468]/bias"] = ("model",)
-    layout_map[r".*hidden_\d*[13579]/kernel"] = ("model", None)
-    return layout_map
 
 
 def formula_bytes(kind, arguments, gradient_bytes, boundary_bytes, micro_batches, layers):
@@ -91,7 +81,7 @@ def measure_candidate(name, args):
 
     kind, arguments = CANDIDATES[name]
     x, y = batch(args.global_batch, args.width)
-    strategy = make_strategy(kind, arguments, args.micro_batches)
+    strategy = make_strategy(kind, arguments, args.micro_batches, args.layers)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(

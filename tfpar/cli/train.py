@@ -82,14 +82,15 @@ def build_model(source, seed=0):
     return keras.Model(inputs, outputs)
 
 
-def megatron_layout_map():
-    """`build_model`'s hidden layers split Megatron's way over the "model" axis: even
-    layers by output units (column), odd ones by inputs (row), so a column layer's
-    output reaches the next row layer split. For `PipelineStrategy(tensor_parallel=T)`."""
+def megatron_layout_map(num_layers=len(WIDTHS)):
+    """Hidden layers named `hidden_<i>` (as `build_model`'s) split Megatron's way over the
+    "model" axis: even layers by output units (column), odd ones by inputs (row), so a
+    column layer's output reaches the next row layer split. For
+    `PipelineStrategy(tensor_parallel=T)`."""
     import keras
 
     layout_map = keras.distribution.LayoutMap(None)
-    for i in range(len(WIDTHS)):
+    for i in range(num_layers):
         if i % 2 == 0:
             layout_map[f".*hidden_{i}/kernel"] = (None, "model")
             layout_map[f".*hidden_{i}/bias"] = ("model",)
