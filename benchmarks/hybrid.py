@@ -3,8 +3,9 @@ strategies on the same 4 devices.
 
 The same MLP trained with Adam by `model.train_on_batch` under each candidate on 4
 logical CPUs, each candidate in a fresh process, candidates alternating round by round.
-Per candidate it prints the step time against data parallelism, the bytes per device `memory_report` counts
-(what each layout buys), and the bytes per step each device sends by the
+Per candidate it prints the step time against data parallelism, the training state each device holds as
+`memory_report` reads it from the built variables (weights, gradients, optimizer state:
+what each layout buys; a count of what is placed, not a measured peak), and the bytes per step each device sends by the
 Megatron/DeepSpeed formulas (`tfpar.plan.communication`: a ring all-reduce moves
 2(R-1)/R of the gradients, ZeRO-3 1.5x that; a pipeline stage sends each micro-batch's
 activation forward and its gradient back). The formulas are printed beside, not measured.
@@ -149,13 +150,13 @@ def main():
     print(f"MLP {args.layers}x{args.width} + head, Adam, global batch {args.global_batch}, "
           f"{DEVICES} logical CPUs on this host, a process per candidate and round, median "
           f"of {args.rounds} rounds x {args.steps} steps; two-stream ceiling {ceiling:.2f}x")
-    print(f"{'candidate':38s} {'step ms':>8s} {'vs data':>8s} {'MiB/device':>11s} "
+    print(f"{'candidate':38s} {'step ms':>8s} {'vs data':>8s} {'state MiB':>11s} "
           f"{'sent MiB/step (formula)':>24s}")
     for name, seconds in step.items():
         peak, sent = measured[name]["bytes_per_device"], measured[name]["formula_bytes"]
         rows[name] = {"step_ms": round(seconds * 1000, 2),
                       "step_time_vs_data_parallel": round(seconds / base, 3),
-                      "bytes_per_device": peak, "formula_bytes_sent_per_step": sent}
+                      "state_bytes_per_device": peak, "formula_bytes_sent_per_step": sent}
         held = f"{peak / (1 << 20):11.2f}" if peak is not None else f"{'-':>11s}"
         print(f"{name:38s} {seconds * 1000:8.1f} {seconds / base:8.2f} {held} "
               f"{sent / (1 << 20):24.2f}")
