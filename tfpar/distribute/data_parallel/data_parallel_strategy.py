@@ -121,9 +121,6 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
     # -- The steps of construction on one host --------------------------------------------
 
-    # Stage 3 on one host: a replica reads the owner's copy (no collective).
-    _tfpar_gathers_parameters = False
-
     def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
         resolved = devices_lib.resolve_devices(devices)
         self.communication = select_communication(
