@@ -27,12 +27,26 @@ from absl import app, flags  # noqa: E402
 import tfpar  # noqa: E402  (cheap: TensorFlow is imported on first use)
 from tfpar.cluster import parse_tf_config  # noqa: E402
 
-STRATEGIES = ("one", "data", "zero1", "zero2", "zero3", "pipeline", "model")
+STRATEGIES = ("one", "data", "zero1", "zero2", "zero3", "pipeline", "model", "tensor",
+              "hybrid", "auto")
 flags.DEFINE_enum("strategy", "zero3", STRATEGIES,
                   "one: this process alone; data: data parallelism across the TF_CONFIG "
                   "workers; zeroN: with ZeRO stage N; pipeline: one stage per worker (run "
                   "with tfpar launch --coordinator); model: model parallelism, the layers "
-                  "placed on the workers' CPUs from the chief (also --coordinator).")
+                  "placed on the workers' CPUs from the chief (also --coordinator); "
+                  "tensor: Megatron tensor parallelism alone, one stage split over all the "
+                  "workers; hybrid: --stages pipeline stages, each split over the workers "
+                  "they leave (tensor x pipeline); auto: the degrees tfpar.plan.advise picks "
+                  "at --bytes_per_device (tensor, hybrid and auto: --model=wide, "
+                  "--coordinator).")
+flags.DEFINE_enum("model", "mlp", ["mlp", "wide"],
+                  "mlp: --layers x Dense(--width, tanh) + a 10-way head, SGD with momentum; "
+                  "wide: one layer too wide for one worker (Dense(16384) on 1536 inputs, a "
+                  "Megatron column/row pair) and a trunk that tensor parallelism leaves whole "
+                  "(6 x Dense(1920)), Adam: 48.9M parameters.")
+flags.DEFINE_integer("stages", 2, "Pipeline stages of --strategy=hybrid.")
+flags.DEFINE_string("bytes_per_device", None, "--strategy=auto: the memory each worker has "
+                    "for training (its cap less what the process needs before), e.g. 300MiB.")
 flags.DEFINE_integer("width", 2048, "Units of each hidden layer (and inputs).")
 flags.DEFINE_integer("layers", 24, "Hidden layers.")
 flags.DEFINE_integer("micro_batches", 4, "Micro-batches of a pipeline step.")
@@ -60,11 +74,78 @@ SHARDS = {"zero1": "optimizer", "zero2": "gradients", "zero3": "parameters"}
 CHIEF_CPU = "/job:chief/replica:0/task:0/device:CPU:0"
 
 
+# --model=wide: inputs, the Megatron pair's hidden units and output, the trunk's width
+# and depth. The pair's first kernel alone (25.2M parameters, 403 MB with Adam) is more
+# than a worker of the README's cap holds.
+WIDE = dict(inputs=1536, hidden=32768, narrow=288, trunk=2400, trunk_layers=6)
+
+
+def wide_layers(batch=BATCH):
+    """--model=wide as `tfpar.plan.placement.LayerCost`s for the advisor, without building
+    it: parameters, the output each keeps at `batch`, and which the layout map splits."""
+    from tfpar.plan.placement import LayerCost
+
+    widths = ([("wide_in", WIDE["hidden"], True), ("wide_out", WIDE["narrow"], True)]
+              + [(f"trunk_{i}", WIDE["trunk"], False) for i in range(WIDE["trunk_layers"])]
+              + [("head", 10, False)])
+    layers, width_in = [], WIDE["inputs"]
+    for name, width, split in widths:
+        params = (width_in + 1) * width
+        layers.append(LayerCost(name, params, 4 * params, 0, 4 * batch * width,
+                                tensor_split=split))
+        width_in = width
+    return layers
+
+
+def wide_layout_map():
+    """Megatron's split of the wide pair: column, then row (the trunk stays whole)."""
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[r".*wide_in/kernel"] = (None, "model")
+    layout_map[r".*wide_out/kernel"] = ("model", None)
+    return layout_map
+
+
+def _degrees(name, workers):
+    """(replicas, stages, tensor_parallel, shard) of --strategy tensor, hybrid or auto."""
+    if FLAGS.model != "wide":
+        raise app.UsageError(f"--strategy={name} splits --model=wide's Megatron pair; pass "
+                             f"--model=wide.")
+    if name == "tensor":
+        return 1, 1, workers, None
+    if name == "hybrid":
+        if workers % FLAGS.stages:
+            raise app.UsageError(f"--stages={FLAGS.stages} does not divide the {workers} "
+                                 f"workers.")
+        return 1, FLAGS.stages, workers // FLAGS.stages, None
+    if not FLAGS.bytes_per_device:
+        raise app.UsageError("--strategy=auto needs --bytes_per_device (the memory each "
+                             "worker has for training).")
+    advice = tfpar.plan.advise(wide_layers(FLAGS.batch), workers,
+                               tfpar.plan.parse_bytes(FLAGS.bytes_per_device),
+                               optimizer_slots=2, input_bytes=FLAGS.batch * 4 * (
+                                   WIDE["inputs"] + 1))
+    print(advice.explain(), flush=True)
+    if advice.chosen is None or advice.data > 1 and advice.pipe == advice.model == 1:
+        raise app.UsageError("--strategy=auto runs the pipeline and tensor-parallel layouts "
+                             "from the chief; the advisor chose none of them (above).")
+    return advice.data, advice.pipe, advice.model, advice.chosen.config.shard
+
+
 def make_strategy(name, micro_batches=4, remat=False, offload="none"):
     import tensorflow as tf
 
     if name == "one":
         return tf.distribute.get_strategy()
+    if name in ("tensor", "hybrid", "auto"):
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        replicas, stages, tensor, shard = _degrees(
+            name, resolver.cluster_spec().num_tasks("worker"))
+        return tfpar.PipelineStrategy(
+            num_micro_batches=micro_batches, num_replicas=replicas, num_stages=stages,
+            tensor_parallel=tensor, shard=shard,
+            layout_map=wide_layout_map() if tensor > 1 else None, cluster_resolver=resolver)
     if name == "pipeline":
         return tfpar.PipelineStrategy(
             num_micro_batches=micro_batches, remat=remat,
@@ -85,6 +166,17 @@ def make_model(width, layers):
     import keras
 
     keras.utils.set_random_seed(0)
+    if FLAGS.model == "wide":
+        model = keras.Sequential(
+            [keras.Input((WIDE["inputs"],)),
+             keras.layers.Dense(WIDE["hidden"], activation="relu", name="wide_in"),
+             keras.layers.Dense(WIDE["narrow"], name="wide_out")]
+            + [keras.layers.Dense(WIDE["trunk"], activation="tanh", name=f"trunk_{i}")
+               for i in range(WIDE["trunk_layers"])]
+            + [keras.layers.Dense(10, name="head")])
+        model.compile(keras.optimizers.Adam(1e-4),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
     model = keras.Sequential(
         [keras.Input((width,))]
         + [keras.layers.Dense(width, activation="tanh") for _ in range(layers)]
@@ -110,7 +202,8 @@ def main(_):
 
     strategy = make_strategy(FLAGS.strategy, FLAGS.micro_batches, FLAGS.remat,
                              FLAGS.offload_activations)
-    x, y = make_data(FLAGS.width, FLAGS.first_step, FLAGS.steps, FLAGS.batch)
+    inputs = WIDE["inputs"] if FLAGS.model == "wide" else FLAGS.width
+    x, y = make_data(inputs, FLAGS.first_step, FLAGS.steps, FLAGS.batch)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(FLAGS.batch)
     with strategy.scope():
         model = make_model(FLAGS.width, FLAGS.layers)

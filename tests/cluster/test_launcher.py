@@ -520,6 +520,28 @@ def test_memory_cap_names_the_task_the_kernel_killed_and_prints_every_peak(tmp_p
     assert not [d for d in os.listdir(memory_cgroup.ROOT) if f"tfpar_launch_{os.getpid()}_" in d]
 
 
+def test_memory_cap_jobs_caps_only_the_tasks_of_those_jobs(tmp_path):
+    """With --coordinator the chief runs the program (a host process, no device); the
+    workers are the devices. --memory_cap_jobs=worker caps them alone: the chief's 400 MB
+    under a 200 MiB cap for the workers runs on."""
+    from tfpar.cluster import memory_cgroup
+
+    with pytest.raises(ValueError, match=r"--memory_cap_jobs names jobs of this cluster "
+                                         r"\(chief, worker\). Received: 'ps'"):
+        Launcher([PY, "-c", "pass"], 2, coordinator=True, memory_cap=2**30,
+                 memory_cap_jobs=["ps"])
+    if not memory_cgroup.available():
+        print("no memory cgroups here: checked only that unknown jobs are refused")
+        return
+    code = "b = bytearray(400 * 10**6); print('chief allocated', flush=True)"
+    exit_code, lines, _ = _launch(tmp_path, code, coordinator=True, grace_seconds=2,
+                                  memory_cap=200 * 2**20, memory_cap_jobs=["worker"])
+    assert exit_code == 0, lines
+    assert "[chief:0] chief allocated" in lines
+    [peaks] = [line for line in lines if line.startswith("[launcher] memory peaks")]
+    assert "worker:0" in peaks and "worker:1" in peaks and "chief" not in peaks, peaks
+
+
 def test_memory_cap_must_be_a_size():
     with pytest.raises(ValueError, match="--memory_cap must be a size > 0"):
         Launcher([PY, "-c", "pass"], 2, memory_cap=0)

@@ -84,6 +84,10 @@ flags.DEFINE_string("memory_cap", None,
                     "kills a task over its cap, and the launcher says so and prints every "
                     "task's peak at the end. Where no cgroup can be made, the launcher says "
                     "so and runs uncapped.")
+flags.DEFINE_list("memory_cap_jobs", None,
+                  "The jobs whose tasks --memory_cap caps (default: all), e.g. worker: with "
+                  "--coordinator the chief runs the program and holds no device, like a "
+                  "host beside its accelerators.")
 flags.DEFINE_bool("slurm", False,
                   "Run the command as this Slurm task (under srun), with the TF_CONFIG that "
                   "TensorFlow's SlurmClusterResolver builds from the Slurm environment.")
@@ -126,7 +130,8 @@ def main(argv):
                             report_seconds=FLAGS.report_seconds,
                             max_restarts=FLAGS.max_restarts, data_service=FLAGS.data_service,
                             timeout_seconds=FLAGS.timeout or None,
-                            coordinator=FLAGS.coordinator, memory_cap=memory_cap)
+                            coordinator=FLAGS.coordinator, memory_cap=memory_cap,
+                            memory_cap_jobs=FLAGS.memory_cap_jobs)
     except ValueError as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2

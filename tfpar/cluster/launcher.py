@@ -245,7 +245,7 @@ class Launcher:
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
                  max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False,
-                 memory_cap=None):
+                 memory_cap=None, memory_cap_jobs=None):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -262,6 +262,13 @@ class Launcher:
                              f"{memory_cap!r}")
         self.memory_cap = memory_cap
         self._cgroups = {}  # task name -> its MemoryCgroup (--memory_cap)
+        jobs = [job for job, _ in cluster_jobs(workers, ps, coordinator)]
+        if memory_cap_jobs is not None:
+            unknown = sorted(set(memory_cap_jobs) - set(jobs))
+            if unknown or not memory_cap_jobs:
+                raise ValueError(f"--memory_cap_jobs names jobs of this cluster ("
+                                 f"{', '.join(jobs)}). Received: {','.join(memory_cap_jobs)!r}")
+        self.memory_cap_jobs = None if memory_cap_jobs is None else tuple(memory_cap_jobs)
         self.command = list(command)
         size = sum(n for _, n in cluster_jobs(workers, ps, coordinator))
         # Held until the run ends: also while a restarted worker starts again.
@@ -378,7 +385,8 @@ class Launcher:
 
     def _cgroup_of(self, name):
         """The memory cgroup of task `name` under --memory_cap (kept across restarts)."""
-        if self.memory_cap is None:
+        if self.memory_cap is None or (self.memory_cap_jobs is not None
+                                       and name.split(":")[0] not in self.memory_cap_jobs):
             return None
         if name not in self._cgroups:
             self._cgroups[name] = memory_cgroup.MemoryCgroup(

@@ -276,7 +276,7 @@ def _outputs(variables, activation_bytes, layer_output_bytes):
 
 def _traffic_of(variables, outputs, r, k, t, z, dtype_bytes, layer_output_bytes):
     stages = variables.stages(k)
-    gradient_bytes = dtype_bytes * max(stage.split(t).total for stage in stages)
+    gradient_bytes = dtype_bytes * max(held.total for stage in stages for held in stage.split(t))
     data = communication.data_parallel_bytes(gradient_bytes, r, z)
     if outputs is None and layer_output_bytes is None:
         return Traffic(data, None if k > 1 else 0, None if t > 1 else 0)

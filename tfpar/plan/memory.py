@@ -61,6 +61,9 @@ class _Variables:
     # Per unit (a layer given as a LayerCost): the bytes its output keeps for the backward
     # pass at one model copy's batch. None: only `activation_bytes` in total is known.
     activations: tuple = None
+    # Per unit: True where a tensor-parallel layout leaves it whole (it then runs on the
+    # first device of its stage's group). None: every unit is split.
+    whole: tuple = None
 
     @property
     def activation_total(self):
@@ -92,21 +95,28 @@ class _Variables:
         units = [[i for i, s in enumerate(stage_of) if s == stage] for stage in range(num_stages)]
         return [_Variables(sum(self.sizes[i] for i in u), max(self.sizes[i] for i in u),
                            tuple(self.sizes[i] for i in u),
-                           tuple(self.activations[i] for i in u) if self.activations else None)
+                           tuple(self.activations[i] for i in u) if self.activations else None,
+                           tuple(self.whole[i] for i in u) if self.whole else None)
                 for u in units]
 
     def split(self, tensor_parallel):
-        """Each variable divided over `tensor_parallel` devices (rounded up): every kernel
-        column- or row-split, as a LayoutMap splitting each layer does. Activations stay
-        whole (counted on every device of the group: Megatron splits only those inside a
-        column-then-row pair, so this is on the safe side)."""
+        """What each of `tensor_parallel` devices holds (a list, one per rank): each split
+        variable divided over them (rounded up), as a LayoutMap's column or row split does;
+        a unit the layout leaves `whole` only on rank 0, as PipelineStrategy runs it.
+        Activations stay whole (counted on every device of the group: Megatron splits only
+        those inside a column-then-row pair, so this is on the safe side)."""
         t = tensor_parallel
         if t == 1:
-            return self
+            return [self]
         if self.sizes is None:
-            return _Variables(-(-self.total // t), -(-self.largest // t))
-        sizes = tuple(-(-size // t) for size in self.sizes)
-        return _Variables(sum(sizes), max(sizes), sizes, self.activations)
+            return [_Variables(-(-self.total // t), -(-self.largest // t))] * t
+        whole = self.whole or (False,) * len(self.sizes)
+        ranks = []
+        for rank in range(t):
+            sizes = tuple(size if kept and rank == 0 else 0 if kept else -(-size // t)
+                          for size, kept in zip(self.sizes, whole))
+            ranks.append(_Variables(sum(sizes), max(sizes), sizes, self.activations))
+        return ranks
 
 
 def _variables(spec, largest_variable=None):
@@ -141,11 +151,13 @@ def _variables(spec, largest_variable=None):
                             "not a mix of both.")
         activations = tuple(_count(f"layers[{i}].activation_bytes", layer.activation_bytes)
                             for i, layer in enumerate(spec))
+        whole = tuple(not layer.tensor_split for layer in spec)
         spec = [layer.params for layer in spec]
     sizes = tuple(_count(f"sizes[{i}]", size) for i, size in enumerate(spec))
     if not sum(sizes):
         raise ValueError(f"The model needs at least one parameter. Received sizes: {list(sizes)}")
-    return _Variables(sum(sizes), max(sizes), sizes, activations)
+    return _Variables(sum(sizes), max(sizes), sizes, activations,
+                      whole if activations is not None and any(whole) else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,13 +348,14 @@ def _estimate(variables, config):
         # Device (replica r, stage s, tensor rank t) at (r * K + s) * T + t, as
         # PipelineStrategy.stage_devices (T = 1 without tensor parallelism).
         t = config.tensor_parallel
-        columns = [_replicas(stage.split(t), config, config.num_replicas,
-                             a + stage.activation_total, inputs=s == 0)
+        # columns[s][rank][r]: stage s's tensor-parallel rank `rank` in replica r.
+        columns = [[_replicas(held, config, config.num_replicas, a + stage.activation_total,
+                              inputs=s == 0) for held in stage.split(t)]
                    for s, (stage, a) in enumerate(zip(
                        variables.stages(config.num_devices),
                        _even(config.activation_bytes, config.num_devices)))]
-        devices = [column[r] for r in range(config.num_replicas) for column in columns
-                   for _ in range(t)]
+        devices = [column[rank][r] for r in range(config.num_replicas) for column in columns
+                   for rank in range(t)]
     else:
         devices = _replicas(variables, config, config.num_devices,
                             config.activation_bytes + variables.activation_total)

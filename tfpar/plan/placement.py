@@ -21,6 +21,8 @@ class LayerCost:
     optimizer_bytes: int
     activation_bytes: int  # Its output kept for the backward pass, at the planned batch.
     time: float = 0.0  # Measured seconds per step; 0.0 when not measured.
+    # False: a tensor-parallel layout map leaves it whole (on its stage's first device).
+    tensor_split: bool = True
 
     @property
     def total_bytes(self):

@@ -532,7 +532,11 @@ class TrainStep:
         changed = []
         for variable, grad in zip(variables, grads):
             if grad is not None:
-                total = _accumulate(self.grads.get(id(variable)), grad)
+                # Summed where the gradient was made (a tensor-parallel shard's device),
+                # not on the stage's first device, which would then hold every shard's.
+                made = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+                with tf.device(made.device):
+                    total = _accumulate(self.grads.get(id(variable)), grad)
                 self.grads[id(variable)] = total
                 changed.append(total)
         return changed

@@ -742,7 +742,6 @@ def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replica
             f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
             f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
     unsupported = {
-        "cluster_resolver": (workers is not None, "stages on other processes"),
         "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
         "schedule": ((others["schedule"].name if isinstance(others["schedule"],
                                                             schedule_lib.Schedule)

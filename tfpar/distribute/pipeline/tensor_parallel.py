@@ -332,16 +332,24 @@ def _sole_consumer(node, program, stage):
     return readers[0]
 
 
-def make_shards(variable, axis, homes, whole_device):
+def make_shards(variable, axis, homes):
     """Keeps `variable` as len(homes) shards along `axis`, shard t with its copies on
-    `homes[t]` (one device per replica); returns the shards (Keras variables)."""
-    value = keras_tp.initial_value(variable)
+    `homes[t]` (one device per replica); returns the shards (Keras variables).
+
+    The whole value is made, and later read whole (`get_weights`, saving), on this
+    process's CPU (the chief's, with stages on worker processes), never on a stage device:
+    a device holds its shard and no more, and the initializer draws what one device's
+    would."""
+    host = devices_lib.host_of(devices_lib.host_task())
+    with tf.device(host):
+        value = keras_tp.initial_value(variable)
+        parts = tf.split(value, len(homes), axis)
     shards = []
-    for t, (part, home) in enumerate(zip(tf.split(value, len(homes), axis), homes)):
+    for t, (part, home) in enumerate(zip(parts, homes)):
         with variable_birth.variable_home(home):
             shards.append(keras_tp.shard_variable(variable, part, t))
     keras_tp.store_as_shards(variable, keras_tp.ShardedStorage(
-        shards, axis, variable.shape, variable.dtype, whole_device))
+        shards, axis, variable.shape, variable.dtype, host))
     return tuple(shards)
 
 
@@ -361,7 +369,7 @@ def split_program(program, planned, shard_homes, stage_devices):
                 continue
             shards = []
             for variable, axis in split.split_variables:
-                made = make_shards(variable, axis, homes, homes[0][0])
+                made = make_shards(variable, axis, homes)
                 program.substitutes[id(variable)] = made
                 split_ids.add(id(variable))
                 shards.append(made)
