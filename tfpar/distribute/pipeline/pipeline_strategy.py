@@ -138,7 +138,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         on each worker task (its first GPU, else its CPU:0), in task order. `devices` may
         also name other tasks' devices ('/job:worker/replica:0/task:1/device:CPU:0'), as
         they may after you connect yourself (`tf.config.experimental_connect_to_cluster`).
-        Across processes R must be 1. A stage worker that dies ends `fit`, `evaluate` or
+        With R > 1 replicas across processes, this process needs R logical CPUs
+        (`tfpar.virtual_cpus(R)`): each feeds one replica. A stage worker that dies ends `fit`, `evaluate` or
         `predict` with a `ClusterError` naming it; rerun with
         `keras.callbacks.BackupAndRestore` to resume.
       tensor_parallel: T, the devices each stage is split over (Megatron's tensor
@@ -251,8 +252,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         resolved = devices_lib.resolve_devices(devices)
         # The cluster's tasks when stages are on other processes, else None.
         self._workers = stage_workers.of_devices(resolved)
-        if self._workers is not None:
-            self._workers.check_replicas(resolved, num_replicas)
+        replica_devices = (self._workers.replica_devices(resolved, num_replicas)
+                           if self._workers is not None else None)
         _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
                                self._workers, schedule=schedule, balance_by=balance_by)
         self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
@@ -267,7 +268,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._tp_grid = tuple(tuple(tuple(tp_grid[r * num_stages + s])
                                     for s in range(num_stages))
                               for r in range(num_replicas))
-        _check_shard(shard, num_replicas, self._workers, schedule, balance_by)
+        _check_shard(shard, num_replicas, schedule, balance_by)
         self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
         self._remat = remat
         self._offload = offload_activations
@@ -290,7 +291,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         reduction_grid = (tuple(tuple(d for stage in row for d in stage) for row in self._tp_grid)
                           if tensor_parallel > 1 else None)
         super(tf.distribute.MirroredStrategy, self).__init__(
-            _PipelineExtended(self, self._grid, reduction_grid))
+            _PipelineExtended(self, self._grid, reduction_grid, replica_devices))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
         self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
@@ -687,7 +688,7 @@ def _stage_count(num_devices, num_replicas, num_stages):
     return num_stages
 
 
-def _check_shard(shard, num_replicas, workers, schedule, balance_by):
+def _check_shard(shard, num_replicas, schedule, balance_by):
     """Refuses what ZeRO over a pipeline's replicas cannot do, saying what to use."""
     if not shard:
         return
@@ -697,10 +698,6 @@ def _check_shard(shard, num_replicas, workers, schedule, balance_by):
             f"copies; with num_replicas={num_replicas} there is one copy and nothing to "
             f"divide. Pass num_replicas=2 or more (num_replicas x num_stages devices), or "
             f"drop shard.")
-    if workers is not None:
-        raise ValueError(
-            f"shard={shard!r} with stages on other processes is not supported (a pipeline "
-            f"across processes has one replica). Drop shard, or train on one host.")
     name = schedule.name if isinstance(schedule, schedule_lib.Schedule) else schedule
     if name == "2bw":
         raise ValueError(
@@ -802,10 +799,12 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
     are reduced by that stage's cross-device ops.
     """
 
-    def __init__(self, container_strategy, grid, reduction_grid=None):
+    def __init__(self, container_strategy, grid, reduction_grid=None, replica_devices=None):
         self._grid = grid
         self._reduction_grid = reduction_grid or grid
-        super().__init__(container_strategy, devices=[row[0] for row in grid])
+        self._own_replica_devices = replica_devices is not None
+        super().__init__(container_strategy,
+                         devices=replica_devices or [row[0] for row in grid])
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
@@ -815,8 +814,11 @@ class _PipelineExtended(tf_runtime.mirrored_extended()):
         if self._reduction_grid is not self._grid:  # Tensor parallelism: one per device.
             self._stage_ops.update({r.devices: r.ops for r in stage_reductions(
                 self._reduction_grid, tf_runtime.collective_keys(self))})
-        # Stage 0's devices are the replicas'.
-        tf_runtime.set_cross_device_ops(self, reductions[0].ops)
+        # Stage 0's devices are the replicas', or the replicas are this process's CPUs (an
+        # add on one of them: TensorFlow's default, collectives, do not run there once
+        # this process has joined a cluster).
+        tf_runtime.set_cross_device_ops(self, tf.distribute.ReductionToOneDevice()
+                                        if self._own_replica_devices else reductions[0].ops)
 
     def _get_cross_device_ops(self, value):
         ops = super()._get_cross_device_ops(value)

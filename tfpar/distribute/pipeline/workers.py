@@ -85,17 +85,28 @@ class StageWorkers:
             devices.append((found["GPU"] or found["CPU"])[0])
         return devices
 
-    def check_replicas(self, devices, num_replicas):
-        """Refuses R > 1 pipeline replicas when some devices are another task's."""
+    def replica_devices(self, devices, num_replicas):
+        """Where the R > 1 pipeline replicas of `devices` (some another task's) take their
+        inputs and run what no stage holds: R logical CPUs of this process, for
+        TensorFlow's mirrored replicas must be devices of one task in eager mode. None for
+        one replica: its device is its first stage's, as on one host.
+
+        Raises:
+          DeviceError: this process has fewer than R logical CPUs.
+        """
+        if num_replicas == 1:
+            return None
         host = devices_lib.host_task()
-        elsewhere = [d for d in devices if devices_lib.task_of(d) != host]
-        if num_replicas > 1 and elsewhere:
+        cpus = sorted((d.name for d in tf.config.list_logical_devices("CPU")
+                       if devices_lib.task_of(d.name) == host),
+                      key=lambda name: int(name.rsplit(":", 1)[1]))
+        if len(cpus) < num_replicas:
             raise DeviceError(
-                f"PipelineStrategy(num_replicas={num_replicas}) all-reduces each stage's "
-                f"gradients between its replicas inside this process, so its devices must "
-                f"be this process's, but {', '.join(elsewhere)} belong to other tasks. "
-                f"Across worker processes run one pipeline: num_replicas=1, with one stage "
-                f"per worker (cluster_resolver=..., devices=None) or the devices you list.")
+                f"PipelineStrategy(num_replicas={num_replicas}) with stages on other "
+                f"processes feeds each replica from a logical CPU of this process (the "
+                f"chief), which has {len(cpus)}. Call tfpar.virtual_cpus({num_replicas}) at "
+                f"the start of the program, before TensorFlow starts.")
+        return tuple(cpus[:num_replicas])
 
     def profiler_addresses(self, stage_devices, profilers):
         """The profiler servers ("host:port") of the other tasks that hold stages, from
