@@ -2,9 +2,11 @@
 the mapping from an advice to the strategy `--strategy=auto` builds. Pure Python.
 
 Numbers are worked out by hand with Adam in float32: 16 bytes per parameter of weights (4),
-gradients (4) and optimizer state (8). tfpar's ZeRO shards whole variables (here whole
-layers): a layer's state always sits whole on its owner, so the largest layer's 16 bytes
-per parameter bound every layout without tensor parallelism.
+gradients (4) and optimizer state (8), and the update's temporaries, 12 bytes per value of
+the largest variable (here layer) a device updates (3 copies of it). tfpar's ZeRO shards
+whole variables (here whole layers): a layer's state always sits whole on its owner, who
+also updates it, so the largest layer's 16 + 12 bytes per parameter bound every layout
+without tensor parallelism.
 """
 
 import subprocess
@@ -41,22 +43,25 @@ def assert_chosen_fits_and_simpler_do_not(model, advice):
 
 # --- Situations where the right answer differs -------------------------------------------
 
-FOUR = layers(*[(1000, 0)] * 4)  # 4000 params: 64000 B for a full copy.
+FOUR = layers(*[(1000, 0)] * 4)  # 4000 params: 64000 B for a full copy, + 12000 to update.
 
 
 def test_a_small_model_is_data_parallel():
     advice = advise(FOUR, 4, 100_000)
     assert degrees(advice) == (4, 1, 1, 0)
     assert advice.strategy == "DataParallelStrategy()"
-    assert advice.chosen.bytes_per_device == 64000
+    assert advice.chosen.bytes_per_device == 64000 + 12 * 1000
     assert assert_chosen_fits_and_simpler_do_not(FOUR, advice) == ()
     # One all-reduce of 16000 gradient bytes over 4: 2 * 3/4 * 16000.
     assert advice.chosen.traffic == Traffic(24000, 0, 0)
 
 
+# Each of 4 replicas owns one layer under ZeRO and updates it: 12 * 1000 on every layout.
+# Data parallel 76000, ZeRO-1 52000, ZeRO-2 40000.
 @pytest.mark.parametrize("budget,zero,peak", [
-    (50_000, 1, 8 * 4000 + 8 * 1000),        # weights and gradients whole, a quarter of Adam
-    (30_000, 2, 4 * 4000 + 12 * 1000),       # also a quarter of the gradients
+    # weights and gradients whole, a quarter of Adam
+    (60_000, 1, 8 * 4000 + 8 * 1000 + 12 * 1000),
+    (45_000, 2, 4 * 4000 + 12 * 1000 + 12 * 1000),  # also a quarter of the gradients
 ])
 def test_optimizer_state_too_big_takes_zero_1_or_2(budget, zero, peak):
     advice = advise(FOUR, 4, budget)
@@ -67,63 +72,72 @@ def test_optimizer_state_too_big_takes_zero_1_or_2(budget, zero, peak):
     assert advice.chosen.traffic.data == 24000  # ZeRO-1/2: the all-reduce's volume.
 
 
-EIGHT = layers(*[(1000, 0)] * 8)  # 8000 params, 128000 B for a full copy.
+EIGHT = layers(*[(1000, 0)] * 8)  # 8000 params, 128000 B for a full copy, + 12000 to update.
 
 
 def test_too_big_for_one_device_on_one_host_takes_zero_3():
-    """Budget 36000 on 4 devices: ZeRO-2 needs 4*8000 + 12*2000 = 56000; ZeRO-3 holds
-    16*2000 and gathers one 1000-parameter layer at a time: 36000."""
-    advice = advise(EIGHT, 4, 36_000)
+    """Budget 50000 on 4 devices (each updating one 1000-parameter layer at a time: 12000
+    on every layout): ZeRO-2 needs 4*8000 + 12*2000 + 12000 = 68000; ZeRO-3 holds 16*2000,
+    gathers one 1000-parameter layer at a time and updates one: 32000 + 4000 + 12000 =
+    48000."""
+    advice = advise(EIGHT, 4, 50_000)
     assert degrees(advice) == (4, 1, 1, 3)
-    assert advice.chosen.bytes_per_device == 36000
+    assert advice.chosen.bytes_per_device == 48000
     assert_chosen_fits_and_simpler_do_not(EIGHT, advice)
     assert advice.chosen.traffic.data == 1.5 * 2 * 3 / 4 * 4 * 8000
 
 
 def test_across_hosts_the_pipeline_comes_before_zero_3():
-    """The same model and devices on 2 hosts: pipelines (one activation per micro-batch
-    over the hosts' link) come before ZeRO-3 (every weight gathered across it). K=2 over
-    R=2 needs 64000, with ZeRO-1 48000, ZeRO-2 40000; K=4 holds 2000 params: 32000."""
-    advice = advise(EIGHT, 4, 36_000, hosts=2)
+    """The same model, devices and budget on 2 hosts: pipelines (one activation per
+    micro-batch over the hosts' link) come before ZeRO-3 (every weight gathered across it).
+    With each layout's 12000 of update: K=2 over R=2 needs 64000 + 12000 = 76000, with
+    ZeRO-1 60000, ZeRO-2 52000; K=4 holds 2000 params: 32000 + 12000 = 44000."""
+    advice = advise(EIGHT, 4, 50_000, hosts=2)
     assert degrees(advice) == (1, 4, 1, 0)
     assert advice.strategy == "PipelineStrategy(num_stages=4, num_replicas=1)"
     before = assert_chosen_fits_and_simpler_do_not(EIGHT, advice)
-    assert [o.bytes_per_device for o in before] == [128000, 80000, 56000, 64000, 48000, 40000]
+    assert [o.bytes_per_device for o in before] == [
+        128000 + 12000, 80000 + 12000, 56000 + 12000, 64000 + 12000, 48000 + 12000,
+        40000 + 12000]
     assert "ZeRO stage 3" not in [o.name for o in before]
 
 
 def test_activations_zero_does_not_shard_take_a_pipeline_on_one_host():
-    """8 layers keeping 5000 activation bytes each (40000 per model copy), budget 70000 on
-    4 devices: ZeRO-3 = 36000 + 40000 = 76000; a 2-stage pipeline holds 4 layers' state and
-    activations, with ZeRO-1 over its 2 replicas: 16000 + 16000 + 8 * 2000 + 20000 = 68000."""
+    """8 layers keeping 5000 activation bytes each (40000 per model copy), budget 85000 on
+    4 devices, every layout updating one 1000-parameter layer at a time (12000): ZeRO-3 =
+    48000 + 40000 = 88000; a 2-stage pipeline holds 4 layers' state and activations
+    (64000 + 12000 + 20000 = 96000 without ZeRO), with ZeRO-1 over its 2 replicas:
+    16000 + 16000 + 8 * 2000 + 12000 + 20000 = 80000."""
     model = layers(*[(1000, 5000)] * 8)
-    advice = advise(model, 4, 70_000)
+    advice = advise(model, 4, 85_000)
     assert degrees(advice) == (2, 2, 1, 1)
-    assert advice.chosen.bytes_per_device == 68000
+    assert advice.chosen.bytes_per_device == 80000
     before = assert_chosen_fits_and_simpler_do_not(model, advice)
-    assert before[3].name == "ZeRO stage 3" and before[3].bytes_per_device == 76000
+    assert before[3].name == "ZeRO stage 3" and before[3].bytes_per_device == 88000
     assert "are activations, which ZeRO does not shard" in advice.explain()
 
 
-# Two layers of 1000 parameters, each keeping 6000 activation bytes: one layer's state alone
-# is 16000 B, over a budget of 15000, so nothing without tensor parallelism fits.
+# Two layers of 1000 parameters, each keeping 6000 activation bytes: one layer's state and
+# update alone are 16000 + 12000 = 28000 B, over a budget of 24000, so nothing without
+# tensor parallelism fits.
 TWO_WIDE = layers((1000, 6000), (1000, 6000))
 
 
 def test_one_layer_bigger_than_a_device_takes_tensor_x_pipeline():
-    """8 devices, one host, 15000 B. T=2 without a pipeline keeps both layers' activations
+    """8 devices, one host, 24000 B. T=2 without a pipeline keeps both layers' activations
     (12000) beside its half-layers: with ZeRO-2 over R=4, 4*1000 weights + a half-layer's
-    gradients and Adam state on its owner (12*500) = 10000 + 12000; T=2 x K=2 over R=2
-    holds one half-layer (8000) and its activations (6000): 14000."""
-    advice = advise(TWO_WIDE, 8, 15_000)
+    gradients and Adam state on its owner (12*500) + its update (12*500) = 16000 + 12000;
+    T=2 x K=2 over R=2 holds one half-layer (8000), its update (6000) and its activations
+    (6000): 20000."""
+    advice = advise(TWO_WIDE, 8, 24_000)
     assert degrees(advice) == (2, 2, 2, 0)
     assert advice.strategy == "PipelineStrategy(num_stages=2, num_replicas=2, tensor_parallel=2)"
-    assert advice.chosen.bytes_per_device == 14000
+    assert advice.chosen.bytes_per_device == 20000
     before = assert_chosen_fits_and_simpler_do_not(TWO_WIDE, advice)
     # Every layout without tensor parallelism was tried first, then T=2 without a pipeline.
     assert [o.model for o in before] == [1] * (len(before) - 3) + [2] * 3
     assert [(o.pipe, o.zero) for o in before[-3:]] == [(1, 0), (1, 1), (1, 2)]
-    assert advice.largest_layer_bytes == 16000
+    assert advice.largest_layer_bytes == 16000 + 12000
     text = advice.explain()
     assert "over the budget: no pipeline stage can hold it" in text
     assert "Degrees: data=2 pipe=2 model=2 zero=0" in text
@@ -134,15 +148,17 @@ def test_one_layer_bigger_than_a_device_takes_tensor_x_pipeline():
 
 
 def test_tensor_parallelism_stays_within_a_host():
-    """Budget 11000: T=2 x K=2 needs 14000 (ZeRO over its 2 replicas cannot split a
-    half-layer: its owner keeps it whole); T=4 x K=2 holds a quarter layer (4000) and one
-    layer's activations: 10000. On hosts of 4 devices T=4 is allowed; on hosts of 2 it is
-    not, and nothing fits: the smallest shortfall is T=2 x K=2's 3000 B."""
-    one_host = advise(TWO_WIDE, 8, 11_000)
+    """Budget 17000: T=2 x K=2 needs 20000 (ZeRO over its 2 replicas cannot split a
+    half-layer: its owner keeps and updates it whole); T=4 x K=2 holds a quarter layer
+    (4000), its update (3000) and one layer's activations: 13000. On hosts of 4 devices
+    T=4 is allowed; on hosts of 2 it is not, and nothing fits: the smallest shortfall is
+    T=2 x K=2's 3000 B."""
+    one_host = advise(TWO_WIDE, 8, 17_000)
     assert degrees(one_host) == (1, 2, 4, 0)
+    assert one_host.chosen.bytes_per_device == 13000
     assert_chosen_fits_and_simpler_do_not(TWO_WIDE, one_host)
-    assert degrees(advise(TWO_WIDE, 8, 11_000, hosts=2)) == (1, 2, 4, 0)
-    four_hosts = advise(TWO_WIDE, 8, 11_000, hosts=4)
+    assert degrees(advise(TWO_WIDE, 8, 17_000, hosts=2)) == (1, 2, 4, 0)
+    four_hosts = advise(TWO_WIDE, 8, 17_000, hosts=4)
     assert four_hosts.chosen is None and degrees(four_hosts) == (None,) * 4
     assert max(o.model for o in four_hosts.candidates) == 2
     assert four_hosts.shortfall == 3000
@@ -235,13 +251,13 @@ def test_tensor_parallel_needs_a_pipeline_config():
 
 @pytest.mark.parametrize("model,devices,budget,hosts,expected", [
     (FOUR, 4, 100_000, 1, ("data", {"shard": None})),
-    (FOUR, 4, 50_000, 1, ("data", {"shard": "optimizer"})),
-    (FOUR, 4, 30_000, 1, ("data", {"shard": "gradients"})),
-    (EIGHT, 4, 36_000, 1, ("data", {"shard": "parameters"})),
-    (EIGHT, 4, 36_000, 2, ("pipeline", {"num_stages": 4, "num_replicas": 1, "shard": None})),
-    (layers(*[(1000, 5000)] * 8), 4, 70_000, 1,
+    (FOUR, 4, 60_000, 1, ("data", {"shard": "optimizer"})),
+    (FOUR, 4, 45_000, 1, ("data", {"shard": "gradients"})),
+    (EIGHT, 4, 50_000, 1, ("data", {"shard": "parameters"})),
+    (EIGHT, 4, 50_000, 2, ("pipeline", {"num_stages": 4, "num_replicas": 1, "shard": None})),
+    (layers(*[(1000, 5000)] * 8), 4, 85_000, 1,
      ("pipeline", {"num_stages": 2, "num_replicas": 2, "shard": "optimizer"})),
-    (TWO_WIDE, 8, 15_000, 1, ("pipeline", {"num_stages": 2, "num_replicas": 2, "shard": None,
+    (TWO_WIDE, 8, 24_000, 1, ("pipeline", {"num_stages": 2, "num_replicas": 2, "shard": None,
                                            "tensor_parallel": 2})),
 ])
 def test_from_advice_names_each_kind(model, devices, budget, hosts, expected):
@@ -251,7 +267,7 @@ def test_from_advice_names_each_kind(model, devices, budget, hosts, expected):
 
 def test_auto_refuses_when_nothing_fits():
     with pytest.raises(factory.AutoError, match="no layout fits.*smallest shortfall"):
-        factory.from_advice(advise(TWO_WIDE, 8, 11_000, hosts=4))
+        factory.from_advice(advise(TWO_WIDE, 8, 17_000, hosts=4))
 
 
 # --- Command line -------------------------------------------------------------------------
@@ -263,11 +279,11 @@ def _cli(*args):
 
 def test_cli_advises_degrees_from_layers_and_hosts():
     result = _cli("advise", "--layers", "1000:6000,1000:6000", "--devices", "8",
-                  "--bytes_per_device", "15000")
+                  "--bytes_per_device", "24000")
     assert result.returncode == 0, result.stderr
     assert "Degrees: data=2 pipe=2 model=2 zero=0" in result.stdout
     result = _cli("advise", "--layers", "1000:6000,1000:6000", "--devices", "8", "--hosts",
-                  "4", "--bytes_per_device", "11000")
+                  "4", "--bytes_per_device", "17000")
     assert result.returncode == 0, result.stderr
     assert "Does not fit" in result.stdout and "Degrees: none fits" in result.stdout
 

@@ -7,6 +7,10 @@ s optimizer slots, P parameters, N replicas, owned(r) the parameters replica r o
     stage 1: d*P + d*P + d*s*owned(r)
     stage 2: d*P + d*owned(r) + d*s*owned(r)
     stage 3: d*owned(r) * (2 + s) + d*largest variable (gather buffer)
+
+and, at every stage, the optimizer update's temporaries (`DeviceMemory.update`):
+d*(s+1) x the largest variable the device updates (under ZeRO at most owned(r) values),
+0 when s = 0. Adam in fp32: 12 bytes per value of that variable.
 """
 
 import doctest
@@ -33,7 +37,9 @@ def _config(shard, n, **kwargs):
 @pytest.mark.parametrize("shard", SHARDS)
 def test_zero_bytes_per_param_on_a_balanced_model(shard, n):
     """8 equal variables split evenly over N in {1, 2, 4, 8}: Adam in fp32 needs 16,
-    8 + 8/N, 4 + 12/N and 16/N bytes per parameter (plus the gather buffer at stage 3)."""
+    8 + 8/N, 4 + 12/N and 16/N bytes per parameter (plus the gather buffer at stage 3),
+    and every replica owns at least one whole variable, so its update's temporaries are
+    4 * 3 of one variable's values."""
     sizes, size = [1000] * 8, 1000
     p = sum(sizes)
     per_param = {None: 16, "optimizer": 8 + 8 / n, "gradients": 4 + 12 / n,
@@ -41,9 +47,11 @@ def test_zero_bytes_per_param_on_a_balanced_model(shard, n):
     estimate = estimate_memory(sizes, _config(shard, n))
     assert len(estimate.devices) == n
     for device in estimate.devices:
-        assert (device.total - device.gather_buffer) / p == per_param
+        assert (device.total - device.gather_buffer - device.update) / p == per_param
         assert device.gather_buffer == (4 * size if shard == "parameters" else 0)
-    assert estimate.peak == per_param * p + (4 * size if shard == "parameters" else 0)
+        assert device.update == 4 * 3 * size
+    assert estimate.peak == (per_param * p + (4 * size if shard == "parameters" else 0)
+                             + 4 * 3 * size)
 
 
 def test_each_stage_shards_its_own_part():
@@ -61,52 +69,105 @@ def test_each_stage_shards_its_own_part():
         assert (device.weights, device.gradients, device.optimizer) == parts, shard
 
 
-@pytest.mark.parametrize("dtype_bytes,slots,per_param", [
-    (2, 2, 2 * (2 + 2 / 4)),  # bf16 Adam, stage 1: weights and gradients whole, 2 slots / 4
-    (4, 0, 4 * 2),  # SGD: no state to shard, stage 1 saves nothing
-    (4, 1, 4 * (2 + 1 / 4)),  # RMSprop: one slot
+@pytest.mark.parametrize("dtype_bytes,slots,per_param,update", [
+    # bf16 Adam, stage 1: weights and gradients whole, 2 slots / 4; update 3 x 1000 values
+    (2, 2, 2 * (2 + 2 / 4), 2 * 3 * 1000),
+    (4, 0, 4 * 2, 0),  # SGD: no state to shard, stage 1 saves nothing; no update term
+    (4, 1, 4 * (2 + 1 / 4), 4 * 2 * 1000),  # RMSprop: one slot; update 2 x 1000 values
 ])
-def test_stage_one_generalizes_to_dtype_and_slots(dtype_bytes, slots, per_param):
+def test_stage_one_generalizes_to_dtype_and_slots(dtype_bytes, slots, per_param, update):
     estimate = estimate_memory([1000] * 8, _config(
         "optimizer", 4, dtype_bytes=dtype_bytes, optimizer_slots=slots))
-    assert estimate.peak / 8000 == per_param
+    assert [d.update for d in estimate.devices] == [update] * 4
+    assert (estimate.peak - update) / 8000 == per_param
 
 
 def test_one_huge_variable_sets_the_peak():
     """[1000, 10, 10, 10] over 2 replicas: the least-loaded rule gives the 1000 to
-    replica 0 and the three 10s to replica 1 (load 0, 10, 20 < 1000). owned = [1000, 30]."""
+    replica 0 and the three 10s to replica 1 (load 0, 10, 20 < 1000). owned = [1000, 30].
+    The owner of the 1000 also updates it: 4 * 3 * 1000 bytes of temporaries; replica 1
+    is counted min(1000, 30) values."""
     sizes, p = [1000, 10, 10, 10], 1030
+    update = [4 * 3 * 1000, 4 * 3 * 30]
     stage1 = estimate_memory(sizes, _config("optimizer", 2)).devices
-    assert [d.total for d in stage1] == [8 * p + 8 * 1000, 8 * p + 8 * 30]
+    assert [d.update for d in stage1] == update
+    assert [d.total for d in stage1] == [8 * p + 8 * 1000 + update[0],
+                                         8 * p + 8 * 30 + update[1]]
     stage3 = estimate_memory(sizes, _config("parameters", 2)).devices
     gather = 4 * 1000  # Every replica gathers the largest variable in turn.
-    assert [d.total for d in stage3] == [16 * 1000 + gather, 16 * 30 + gather]
+    assert [d.update for d in stage3] == update
+    assert [d.total for d in stage3] == [16 * 1000 + gather + update[0],
+                                         16 * 30 + gather + update[1]]
     # Far above an even split's 16 * 1030 / 2 + gather: owning whole variables costs this.
-    assert stage3[0].total > 16 * p / 2 + gather
+    assert stage3[0].total - update[0] > 16 * p / 2 + gather
+
+
+@pytest.mark.parametrize("slots,copies", [
+    (2, 3),  # Adam: the update holds 3 temporaries the size of the variable
+    (1, 2),  # SGD with momentum: 2
+    (0, 0),  # plain SGD: none counted
+])
+def test_the_update_holds_slots_plus_one_copies_of_the_largest_variable_updated(slots, copies):
+    """`DeviceMemory.update` = d x (slots + 1) x the largest variable the device updates (0
+    without slots). Without ZeRO every replica updates every variable: [1000, 10, 10, 10]
+    counts the 1000 on both. Under ZeRO a replica updates only what it owns: the owner of
+    the 1000 counts it, the replica owning the three 10s min(1000, 30) = 30 values. A
+    pipeline stage counts its own largest variable, a tensor-parallel rank its part."""
+    sizes = [1000, 10, 10, 10]  # ZeRO owners over 2: [1000] and [10, 10, 10] (owned 30).
+    data = estimate_memory(sizes, MemoryConfig("data", 2, optimizer_slots=slots)).devices
+    assert [d.update for d in data] == [4 * copies * 1000] * 2
+    bf16 = MemoryConfig("data", 2, optimizer_slots=slots, dtype_bytes=2)
+    assert estimate_memory(sizes, bf16).devices[0].update == 2 * copies * 1000
+    devices = list(data)
+    for shard in ("optimizer", "gradients", "parameters"):
+        zero = estimate_memory(sizes, MemoryConfig("sharded", 2, shard,
+                                                   optimizer_slots=slots)).devices
+        assert [d.update for d in zero] == [4 * copies * 1000, 4 * copies * 30], shard
+        devices += zero
+    # Stages [400] | [200, 100, 200], each on 2 replicas without ZeRO: both replicas update
+    # their stage's variables; a 2-way tensor-parallel rank updates half of each.
+    pipe = estimate_memory([400, 200, 100, 200],
+                           MemoryConfig("pipeline", 2, num_replicas=2, optimizer_slots=slots))
+    assert [d.update for d in pipe.devices] == [4 * copies * s for s in (400, 200, 400, 200)]
+    split = estimate_memory(sizes, MemoryConfig("pipeline", 1, tensor_parallel=2,
+                                                optimizer_slots=slots))
+    assert [d.update for d in split.devices] == [4 * copies * 500] * 2
+    # Part of each device's total, so of the peak the advisor compares with a budget.
+    for d in devices + list(pipe.devices) + list(split.devices):
+        assert d.total == (d.weights + d.gradients + d.optimizer + d.activations
+                           + d.gather_buffer + d.inputs + d.update)
+    assert estimate_memory(sizes, MemoryConfig("data", 2, optimizer_slots=slots)).peak == (
+        4 * (2 + slots) * 1030 + 4 * copies * 1000)
 
 
 def test_a_total_only_splits_evenly_and_counts_the_largest_variable_if_given():
-    # 1001 over 2: owned 501 and 500; the gather buffer is 4 * 100 when told, else 0.
+    # 1001 over 2: owned 501 and 500; the gather buffer is 4 * 100 when told, else 0, and
+    # so is the update's (4 * 3 * 100 when told).
     config = _config("parameters", 2)
     told = estimate_memory(1001, config, largest_variable=100).devices
-    assert [d.total for d in told] == [16 * 501 + 400, 16 * 500 + 400]
+    assert [d.update for d in told] == [1200, 1200]
+    assert [d.total for d in told] == [16 * 501 + 400 + 1200, 16 * 500 + 400 + 1200]
     assert estimate_memory(1001, config).devices[0].gather_buffer == 0
+    assert estimate_memory(1001, config).devices[0].update == 0
     assert estimate_memory(1.3e9, _config(None, 8)).peak == 16 * 1_300_000_000
 
 
 def test_activations_are_whole_on_every_replica():
     estimate = estimate_memory([1000] * 8, _config("parameters", 4, activation_bytes=5000))
     assert [d.activations for d in estimate.devices] == [5000] * 4
-    assert estimate.peak == 16 * 2000 + 4 * 1000 + 5000
+    assert estimate.peak == 16 * 2000 + 4 * 1000 + 5000 + 4 * 3 * 1000  # + the update
 
 
 @pytest.mark.parametrize("kind", ["pipeline", "model"])
 def test_stages_hold_their_variables_and_a_share_of_activations(kind):
     """Sizes [400, 200, 100, 200] cut in 2 contiguous stages: the best cut is
     [400] | [200, 100, 200] (largest 500; [400, 200] | [100, 200] has 600). Each device
-    holds 16 B per parameter of its stage and half of the 1000 activation bytes."""
+    holds 16 B per parameter of its stage, half of the 1000 activation bytes and the
+    update's temporaries of its own largest variable (400, then 200)."""
     estimate = estimate_memory([400, 200, 100, 200], MemoryConfig(kind, 2, activation_bytes=1000))
-    assert [d.total for d in estimate.devices] == [16 * 400 + 500, 16 * 500 + 500]
+    assert [d.update for d in estimate.devices] == [12 * 400, 12 * 200]
+    assert [d.total for d in estimate.devices] == [16 * 400 + 500 + 12 * 400,
+                                                   16 * 500 + 500 + 12 * 200]
     assert [d.gradients for d in estimate.devices] == [4 * 400, 4 * 500]
 
 
@@ -119,13 +180,16 @@ def test_a_built_keras_model_is_read_by_its_variables():
     import keras
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])  # 12 + 3 params
-    assert estimate_memory(model, _config(None, 2)).peak == 16 * 15
+    # No optimizer compiled: Adam's 2 slots; the update's temporaries are the kernel's.
+    assert estimate_memory(model, _config(None, 2)).peak == 16 * 15 + 4 * 3 * 12
 
 
 def test_format_has_a_row_per_device():
     text = estimate_memory([1000] * 8, _config("gradients", 4)).format()
     assert "DataParallelStrategy(shard='gradients')" in text
-    assert "8,000 parameters" in text and "7.00 B/param" in text  # 4 + 12/4
+    # 4 + 12/4 = 7, and the update's 4 * 3 * 1000 bytes over 8000 parameters, 1.5.
+    assert "8,000 parameters" in text and "8.50 B/param" in text
+    assert "update" in text.splitlines()[1]  # The column header.
     assert len([line for line in text.splitlines() if line[:1].isdigit()]) == 4
 
 
@@ -238,9 +302,12 @@ def test_pipeline_stages_divide_the_devices():
 
 def test_variable_sizes_give_exact_owners_and_cuts():
     """[1000, 10, 10, 10] on 2 devices: stage 3's peak is the huge variable's owner,
-    16*1000 + 4*1000 = 20000; a 2-stage pipeline cuts [1000] | [10, 10, 10]: 16000."""
-    advice = advise([1000, 10, 10, 10], 2, 16000)
-    assert [o.bytes_per_device for o in advice.options][3:] == [20000, 16000]
+    16*1000 + 4*1000 + its update 12*1000 = 32000; a 2-stage pipeline cuts
+    [1000] | [10, 10, 10]: 16000 + 12000 = 28000. At 28000 data parallelism (16*1030 +
+    12000 = 28480), ZeRO-1 (8*1030 + 8*1000 + 12000 = 28240) and ZeRO-2 (4*1030 +
+    12*1000 + 12000 = 28120) are just over: the pipeline is chosen."""
+    advice = advise([1000, 10, 10, 10], 2, 28000)
+    assert [o.bytes_per_device for o in advice.options] == [28480, 28240, 28120, 32000, 28000]
     assert advice.strategy == "PipelineStrategy(num_stages=2, num_replicas=1)"
 
 
@@ -340,8 +407,9 @@ def test_cli_estimate_prints_the_table():
                   "--shard", "parameters")
     assert result.returncode == 0, result.stderr
     assert "DataParallelStrategy(shard='parameters')" in result.stdout
-    # 16 * 1000 + 4 * 1000 gathered = 20000 B per device, 10 B/param of 2000.
-    assert "19.5 KiB" in result.stdout and "10.00 B/param" in result.stdout
+    # 16 * 1000 + 4 * 1000 gathered + 4 * 3 * 1000 updated = 32000 B per device
+    # (31.25 KiB, printed to one decimal, half to even), 16 B/param of 2000.
+    assert "31.2 KiB" in result.stdout and "16.00 B/param" in result.stdout
 
 
 def test_cli_estimates_a_pipeline_with_zero_over_its_replicas():
@@ -349,10 +417,11 @@ def test_cli_estimates_a_pipeline_with_zero_over_its_replicas():
                   "pipeline", "--replicas", "2", "--shard", "optimizer")
     assert result.returncode == 0, result.stderr
     assert "PipelineStrategy(num_stages=2, num_replicas=2, shard='optimizer')" in result.stdout
-    # Each of the 4 devices: its stage's 200 weights and gradients, Adam's state of its 100.
+    # Each of the 4 devices: its stage's 200 weights and gradients, Adam's state of its 100
+    # (2400 B) and the update of its largest owned variable, 4 * 3 * 100: 3600 B = 3.5 KiB.
     rows = [line.split() for line in result.stdout.splitlines() if line[:1].isdigit()]
     assert [row[0] for row in rows] == ["0", "1", "2", "3"]
-    assert all(row[-2:] == ["2.3", "KiB"] for row in rows), rows
+    assert all(row[-4:] == ["1.2", "KiB", "3.5", "KiB"] for row in rows), rows
 
 
 @pytest.mark.parametrize("args,message", [

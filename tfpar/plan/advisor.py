@@ -2,8 +2,10 @@
 with the least communication. Pure Python.
 
 Every layout of N devices as R (data) x K (pipeline stages) x T (tensor parallel) is
-estimated with `memory.estimate_memory`'s own arithmetic, and the first that fits in
-this order is chosen (Megatron-LM's and DeepSpeed's order of preference):
+estimated with `memory.estimate_memory`'s own arithmetic (per device: weights, gradients,
+optimizer state, activations, inputs, the gather buffer and the optimizer update's
+temporaries), and the first whose fullest device fits in this order is chosen
+(Megatron-LM's and DeepSpeed's order of preference):
 
 1. data parallelism (a full copy per device: one all-reduce of the gradients);
 2. ZeRO stage 1, then 2 (the same traffic as the all-reduce, less memory);
@@ -12,9 +14,9 @@ this order is chosen (Megatron-LM's and DeepSpeed's order of preference):
    a smaller bubble), then pipelines with ZeRO stage 3; across hosts the pipelines come
    before ZeRO stage 3 (stages cross hosts with one activation per micro-batch; stage 3
    gathers every weight over the hosts' links);
-4. only when none of those fits (a layer too big for one stage): tensor parallelism over
-   T = 2, 4, ... devices of one host (T divides the devices per host: its all-reduces run
-   at every layer pair), with as few stages as fit.
+4. only when none of those fits (a layer whose state and update are too big for one
+   stage): tensor parallelism over T = 2, 4, ... devices of one host (T divides the
+   devices per host: its all-reduces run at every layer pair), with as few stages as fit.
 
 Devices are numbered (r * K + s) * T + t: a tensor-parallel group is T consecutive
 devices, inside one host. Tensor parallelism without a pipeline is named as a one-stage
@@ -97,7 +99,9 @@ class Advice:
     notes: tuple = ()
     candidates: tuple = ()
     hosts: int = 1
-    largest_layer_bytes: int = 0  # The state of the largest variable (or layer) alone.
+    # The state of the largest variable (or layer) and its update's temporaries: what a
+    # device holding it whole needs for it alone.
+    largest_layer_bytes: int = 0
 
     def _of_chosen(self, name):
         return getattr(self.chosen, name) if self.chosen else None
@@ -187,7 +191,8 @@ class Advice:
                 if self.largest_layer_bytes > self.budget else "")
         return (f"Chosen: {chosen.name}: no layout without tensor parallelism fits (the "
                 f"closest, {closest.name}, needs {format_bytes(closest.bytes_per_device)}). The "
-                f"largest layer's state alone is {format_bytes(self.largest_layer_bytes)}{over};"
+                f"largest layer's state and update alone need "
+                f"{format_bytes(self.largest_layer_bytes)}{over};"
                 f" tensor parallelism splits every layer over {chosen.model} devices of one "
                 f"host, at the cost of two all-reduces of the activation per layer pair per "
                 f"micro-batch, so it stays inside a host. The layout tried just before, "
@@ -216,12 +221,15 @@ def _layer_activations(estimate):
 
 
 def _zero3_hint(estimate, budget):
-    """How many devices ZeRO stage 3 would need: only its state shrinks as 1/N."""
+    """How many devices ZeRO stage 3 would need: only its state shrinks as 1/N (the
+    update's temporaries stay those of the largest variable, on its owner)."""
     state = sum(d.weights + d.gradients + d.optimizer for d in estimate.devices)
-    fixed = estimate.devices[0].activations + estimate.devices[0].gather_buffer
+    fixed = (estimate.devices[0].activations + estimate.devices[0].gather_buffer
+             + max(d.update for d in estimate.devices))
     if fixed >= budget:
-        return (f" Activations and the gather buffer alone ({format_bytes(fixed)}) are over "
-                f"the budget, however many devices share the state.")
+        return (f" Activations, the gather buffer and the update's temporaries alone "
+                f"({format_bytes(fixed)}) are over the budget, however many devices share "
+                f"the state.")
     return (f" ZeRO stage 3 would fit on about {math.ceil(state / (budget - fixed))} devices "
             f"(more with uneven variables).")
 
@@ -358,8 +366,9 @@ def advise(num_params_or_sizes, num_devices, bytes_per_device, optimizer_slots=2
                      f"({num_devices}), and be at least 2 and at most the number of variables"
                      f"{f' ({len(variables.sizes)})' if variables.sizes else ''}.")
     if variables.sizes is None and not variables.largest:
-        notes.append("The largest variable is unknown: ZeRO stage 3's gather buffer is counted "
-                     "as 0. Give the variable sizes, or largest_variable.")
+        notes.append("The largest variable is unknown: ZeRO stage 3's gather buffer and the "
+                     "optimizer update's temporaries are counted as 0. Give the variable "
+                     "sizes, or largest_variable.")
     if hosts > 1:
         notes.append(f"Tensor parallelism only within a host: T divides the "
                      f"{num_devices // hosts} devices per host.")
@@ -367,7 +376,8 @@ def advise(num_params_or_sizes, num_devices, bytes_per_device, optimizer_slots=2
             chosen is None or chosen.pipe > 1 or chosen.model > 1):
         notes.append("Pipeline and tensor-parallel traffic are unknown (+?): give the layers "
                      "(LayerCost), layer_output_bytes or activation_bytes with variable sizes.")
-    largest = dtype_bytes * (2 + optimizer_slots) * variables.largest
+    update = dtype_bytes * (optimizer_slots + 1) * variables.largest if optimizer_slots else 0
+    largest = dtype_bytes * (2 + optimizer_slots) * variables.largest + update
     return Advice(budget, options, chosen, tuple(notes), tuple(candidates), hosts, largest)
 
 

@@ -5,22 +5,30 @@ Pure Python. A model is described by its number of parameters, or better by the
 size (elements) of each trainable variable in model order, or by its layers
 (`LayerCost`: parameters and the activation bytes each keeps). Per device, training
 holds weights, gradients, optimizer state (`optimizer_slots` copies of each
-variable) and the activations kept for the backward pass.
+variable), the activations kept for the backward pass, and the optimizer update's
+temporaries: (slots + 1) x the largest variable the device updates (measured on TF 2.21
+for one 25M-value variable: beyond the state held, a Keras Adam step peaked at the
+gradient and 3 copies of the variable, SGD with momentum at the gradient and 2; plain
+SGD's 0.3 copy is not counted: no slots, no update term).
 
 ZeRO shards whole variables: each has one owner replica (`sharding.owners`). With
-P parameters, owned(r) those of replica r, d bytes per value and s slots:
+P parameters, owned(r) those of replica r, L the largest variable, d bytes per value
+and s slots:
 
-    stage   weights     gradients   optimizer     gather buffer
-    0       d*P         d*P         d*s*P         -
-    1       d*P         d*P         d*s*owned(r)  -
-    2       d*P         d*owned(r)  d*s*owned(r)  -
-    3       d*owned(r)  d*owned(r)  d*s*owned(r)  d*largest variable
+    stage   weights     gradients   optimizer     gather buffer   update
+    0       d*P         d*P         d*s*P         -               d*(s+1)*L
+    1       d*P         d*P         d*s*owned(r)  -               d*(s+1)*min(L, owned(r))
+    2       d*P         d*owned(r)  d*s*owned(r)  -               d*(s+1)*min(L, owned(r))
+    3       d*owned(r)  d*owned(r)  d*s*owned(r)  d*L             d*(s+1)*min(L, owned(r))
 
-With Adam (s=2), fp32 (d=4) and owned(r) = P/N that is 16, 8 + 8/N, 4 + 12/N and
-16/N bytes per parameter. A pipeline (or model-parallel) device holds the state of
-its stage's variables; every kind keeps its activations (ZeRO does not shard them;
-stages split a total evenly, or hold their own layers' when layers are given). Under
-tensor parallelism (T) each variable of a stage is divided over T devices.
+With Adam (s=2), fp32 (d=4) and owned(r) = P/N the first three columns are 16,
+8 + 8/N, 4 + 12/N and 16/N bytes per parameter (the paper's figures); the update adds
+4 x 3 = 12 bytes per value of the largest variable a replica updates (0 when s = 0).
+A pipeline (or model-parallel) device holds the state of its stage's variables and
+updates them (the update's temporaries: its stage's largest variable); every kind keeps
+its activations (ZeRO does not shard them; stages split a total evenly, or hold their
+own layers' when layers are given). Under tensor parallelism (T) each variable of a
+stage is divided over T devices.
 """
 
 import collections.abc
@@ -163,6 +171,9 @@ def _variables(spec, largest_variable=None):
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
     """How training is spread: `kind` is one of `KINDS`, `shard` a ZeRO stage's name.
+    `optimizer_slots` (s): state copies per variable (Adam 2, SGD with momentum 1, SGD
+    0); updating a variable also holds s + 1 temporaries of its size, counted for the
+    largest variable a device updates (none when s = 0). `dtype_bytes`: bytes per value.
 
     For "pipeline" and "model", `num_devices` counts the stages of one model copy;
     a pipeline has `num_replicas` copies, and with `shard` each stage's state is divided
@@ -257,10 +268,14 @@ class MemoryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes one device holds for training.
+    """Bytes one device holds for training; `total` is their sum, its peak: the state,
+    activations and inputs held across the step, plus what only part of the step holds
+    (the gather buffer, the optimizer update's temporaries).
 
     >>> DeviceMemory(weights=400, gradients=400, optimizer=800, activations=100).total
     1700
+    >>> DeviceMemory(400, 400, 800, 100, update=4 * 3 * 60).total  # Adam, largest 60
+    2420
     """
 
     weights: int
@@ -269,9 +284,9 @@ class DeviceMemory:
     activations: int
     gather_buffer: int = 0  # ZeRO stage 3: a variable gathered from its owner to be used.
     inputs: int = 0  # Batches of input data held at once.
-    # The optimizer update's temporaries: (slots + 1) x the largest variable it updates
-    # (measured on TF 2.21 for one 25M-value variable: Adam 3x, SGD with momentum 2x,
-    # plain SGD 0.3x), none without slots.
+    # The optimizer update's temporaries: (slots + 1) x the largest variable it updates,
+    # beside that variable's gradient (measured on TF 2.21 for one 25M-value variable:
+    # Adam 3x, SGD with momentum 2x, plain SGD 0.3x), none without slots.
     update: int = 0
 
     @property
@@ -285,9 +300,12 @@ class MemoryEstimate:
     """Per-device memory of one config; `devices` are replicas, or stages in order (a
     pipeline's replicas one after another: replica r's stage s at r * K + s).
 
+    Four variables of 250, Adam: 16 bytes per parameter of state, and the update's
+    temporaries of the largest variable, 4 x 3 x 250.
+
     >>> e = estimate_memory([250] * 4, MemoryConfig("data", 2))
-    >>> e.peak, e.peak / e.num_params
-    (16000, 16.0)
+    >>> e.peak, e.devices[0].update, (e.peak - e.devices[0].update) / e.num_params
+    (19000, 3000, 16.0)
     """
 
     config: MemoryConfig
@@ -303,13 +321,13 @@ class MemoryEstimate:
         """A plain-text table of each device's bytes."""
         rows = [[i] + [format_bytes(b) for b in (d.weights, d.gradients, d.optimizer,
                                                  d.activations, d.gather_buffer, d.inputs,
-                                                 d.total)]
+                                                 d.update, d.total)]
                 for i, d in enumerate(self.devices)]
         return "\n".join(
             [f"{self.config.strategy()}: {self.num_params:,} parameters, peak "
              f"{format_bytes(self.peak)} per device ({self.peak / self.num_params:.2f} B/param)"]
             + _table(["device", "weights", "gradients", "optimizer", "activations", "gather",
-                      "inputs", "total"], rows)) + "\n"
+                      "inputs", "update", "total"], rows)) + "\n"
 
 
 def _device(config, weights, gradients, optimizer, activations, gathered=0, inputs=True,
@@ -341,12 +359,14 @@ def _gradients(variables, config, owned):
 
 def _replicas(variables, config, num_replicas, activations, inputs=True):
     """Each of `num_replicas` replicas holding `variables` (ZeRO-sharded over them under
-    `config.shard`), `activations` bytes and, if `inputs`, the input batches."""
+    `config.shard`), `activations` bytes and, if `inputs`, the input batches. Without ZeRO
+    every replica updates every variable; under ZeRO only those it owns, so the largest it
+    updates is at most `owned` values."""
     full, stage = variables.total, config.stage
     return [_device(config, full if stage < 3 else owned,
                     _gradients(variables, config, owned), full if stage < 1 else owned,
                     activations, _gathered(variables, config, owned), inputs,
-                    min(variables.largest, owned))
+                    variables.largest if stage < 1 else min(variables.largest, owned))
             for owned in variables.per_owner(num_replicas)]
 
 
@@ -378,13 +398,18 @@ def estimate_memory(model_or_spec, strategy_or_config, largest_variable=None):
       strategy_or_config: a `MemoryConfig`, or a tfpar strategy (then the slots are those
         of the model's compiled optimizer).
       largest_variable: with a number of parameters only, the elements of the largest
-        variable (ZeRO stage 3 gathers it); unknown counts as 0.
+        variable (ZeRO stage 3 gathers it; the optimizer update's temporaries are its
+        size); unknown counts as 0.
 
-    Eight equal variables, Adam, 4 replicas, ZeRO stage 1: 8 + 8/4 bytes per parameter.
+    Each device's total counts its weights, gradients, optimizer state, activations,
+    input batches, gather buffer and the optimizer update's temporaries (`DeviceMemory`).
+    Eight equal variables, Adam, 4 replicas, ZeRO stage 1: 8 + 8/4 bytes per parameter,
+    and the update of a 100-value variable, 4 x (2 + 1) x 100 bytes.
 
     >>> config = MemoryConfig("sharded", 4, shard="optimizer")
-    >>> estimate_memory([100] * 8, config).peak / 800
-    10.0
+    >>> device = estimate_memory([100] * 8, config).devices[0]
+    >>> (device.total - device.update) / 800, device.update
+    (10.0, 1200)
     """
     config = strategy_or_config
     describe = hooks_of(config)._tfpar_memory_config  # A tfpar strategy.
