@@ -65,6 +65,10 @@ flags.DEFINE_string("save", None, "Where to save after training: a .weights.h5 f
 flags.DEFINE_string("checkpoint", None, "A keras.callbacks.ModelCheckpoint path (.keras or "
                     ".weights.h5), written after each epoch.")
 flags.DEFINE_string("report", None, "Directory for this process's figures (JSON).")
+flags.DEFINE_string("compare", None, "A .weights.h5 file of the same model trained elsewhere "
+                    "(e.g. --strategy=one --save=...): print the largest difference between "
+                    "its weights and these (the model's own, read one by one; not the "
+                    "optimizer's).")
 FLAGS = flags.FLAGS
 
 BATCH = 16
@@ -217,6 +221,14 @@ def main(_):
     trained = tfpar.process_memory()
     config = parse_tf_config(os.environ.get("TF_CONFIG"))  # None without a cluster.
     task = config.task_name.replace(":", "-") if config and config.task_type else "single-0"
+    if FLAGS.compare:
+        import numpy as np
+
+        reference = make_model(FLAGS.width, FLAGS.layers)  # Plain, in this process.
+        reference.load_weights(FLAGS.compare)
+        difference = max(float(np.max(np.abs(a.numpy() - b.numpy())))
+                         for a, b in zip(model.weights, reference.weights))
+        print(f"largest difference to {FLAGS.compare}: {difference:.3g}", flush=True)
     if FLAGS.save:
         # Every worker saves together under sharding (each variable is fetched from its
         # owner); only the chief's file is kept.

@@ -23,6 +23,42 @@ def model():
                              keras.layers.Dense(3)])
 
 
+# The Megatron MLP of the tensor-parallel tests: Dense -> [Dense(4h, column) -> Dense(h,
+# row)] x 2 -> head, one Megatron MLP per stage when cut in two.
+MEGATRON_HIDDEN, MEGATRON_INPUTS, MEGATRON_OUTPUTS = 8, 6, 3
+
+
+def megatron_mlp(seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    h = MEGATRON_HIDDEN
+    return keras.Sequential([
+        keras.Input((MEGATRON_INPUTS,)),
+        keras.layers.Dense(h, name="embed"),
+        keras.layers.Dense(4 * h, activation="relu", name="mlp_in_0"),
+        keras.layers.Dense(h, name="mlp_out_0"),
+        keras.layers.Dense(4 * h, activation="gelu", name="mlp_in_1"),
+        keras.layers.Dense(h, activation="tanh", name="mlp_out_1"),
+        keras.layers.Dense(MEGATRON_OUTPUTS, name="head"),
+    ], name="megatron")
+
+
+def megatron_layout(mesh=None):
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*mlp_in_\d/kernel"] = (None, "model")   # Column: output units split.
+    layout_map[r".*mlp_out_\d/kernel"] = ("model", None)  # Row: input features split.
+    return layout_map
+
+
+def megatron_data(n=64):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, MEGATRON_INPUTS)).astype("float32"),
+            rng.normal(size=(n, MEGATRON_OUTPUTS)).astype("float32"))
+
+
 def optimizer(name="sgd"):
     import keras
 

@@ -17,10 +17,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [TESTS, os.path.join(TESTS, "distribute", "pipeline")]  # conftest, the test
-from test_pipeline_tensor_parallel import BATCH, _data, megatron_layout, megatron_mlp  # noqa: E402
+sys.path.insert(0, TESTS)
+from multi_worker_common import megatron_data as _data  # noqa: E402
+from multi_worker_common import megatron_layout, megatron_mlp  # noqa: E402
 from tfpar.keras import internals  # noqa: E402
 from tfpar.keras import split_variables as keras_tp  # noqa: E402
+
+BATCH = 16
 
 
 def _devices(strategy, variable):

@@ -74,7 +74,8 @@ def test_two_worker_pipeline_trains_as_one_device_and_resumes_after_a_lost_worke
     # K=2, M=4, Adam: the weights of the unsplit model trained on one device.
     assert first["start_iterations"] == 0 and first["start_difference"] == 0.0
     assert first["epoch_differences"]["0"] < 1e-5
-    assert "num_replicas=1" in first["replicas_error"]
+    # R=2 across processes needs one logical CPU of the chief per replica; it has one.
+    assert "Call tfpar.virtual_cpus(2)" in first["replicas_error"]
 
     # The killed worker ends training with an error that names it and says what to do.
     assert first["epochs_run"] == [0, 1]  # Epoch 1 started, and failed.
@@ -142,6 +143,72 @@ def test_the_training_binary_pipelines_across_workers_under_the_launcher():
     assert re.search(r"\[chief:0\] final: loss=[\d.]+ accuracy=0\.9\d+ .* replicas=1",
                      run.stdout), run.stdout[-4000:]
     assert not re.search(r"^\[worker:\d\] (Epoch|final)", run.stdout, re.M)  # They serve.
+
+
+# --- Hybrids across worker processes: R x K x T over 4 workers -------------------------
+
+HYBRID_CHIEF = os.path.join(HERE, "workers", "hybrid_chief.py")
+
+
+def _hybrid(tmp_path, *flags):
+    """Runs hybrid_chief.py (the Megatron MLP, Adam, 2 epochs against one device) under
+    `tfpar launch --workers=4 --coordinator`; returns its results."""
+    out = tmp_path / "result.json"
+    command = [PY, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator", "--timeout=200",
+               "--", PY, HYBRID_CHIEF, f"--out={out}", *flags]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=260,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout[-4000:]
+    result = json.loads(out.read_text())
+    assert result["moved"] > 1e-3  # Training changed the weights: the comparison can tell.
+    return result
+
+
+def _task(device):
+    return int(re.search(r"/task:(\d+)/", device)[1])
+
+
+@pytest.mark.slow
+def test_pipeline_replicas_with_zero_3_train_on_four_worker_processes_as_one_device(tmp_path):
+    """R=2 replicas x K=2 stages, one stage per worker process, shard='parameters': each
+    weight and its Adam slots live on one worker, its owner among its stage's two."""
+    result = _hybrid(tmp_path, "--replicas=2", "--stages=2", "--shard=parameters")
+    assert result["difference"] < 1e-5, result
+    assert result["stage_devices"] == [[WORKER.format(0), WORKER.format(1)],
+                                       [WORKER.format(2), WORKER.format(3)]]
+    stage_tasks = [{0, 2}, {1, 3}]  # Stage s of replica r is on task 2r + s.
+    owners = {}
+    for path, devices in result["weights"].items():
+        [device] = devices  # One copy: on its owner only.
+        stage = 0 if _task(device) in stage_tasks[0] else 1
+        owners.setdefault(stage, set()).add(_task(device))
+        slots = [d for name, d in result["slots"].items()
+                 if name.startswith("adam/" + path.replace("/", "_"))]
+        assert slots and all(d == [device] for d in slots), (path, device, slots)
+    assert owners == {0: {0, 2}, 1: {1, 3}}  # Both replicas own a share of each stage.
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_one_device(
+        tmp_path):
+    """R=2 replicas x T=2 (one stage split Megatron's way over two worker processes),
+    shard='optimizer': a split kernel has a shard on every worker; an unsplit weight a copy
+    on each replica's first; every Adam slot one owner."""
+    result = _hybrid(tmp_path, "--replicas=2", "--stages=1", "--tensor_parallel=2",
+                     "--shard=optimizer")
+    assert result["difference"] < 1e-5, result
+    for path, devices in result["weights"].items():
+        split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
+        assert sorted(map(_task, devices)) == ([0, 1, 2, 3] if split else [0, 2]), path
+    assert result["slots"] and all(len(d) == 1 for d in result["slots"].values())
+    # Shard t lives on task t (replica 0) and task t + 2 (replica 1): its slots on one.
+    owners = set()
+    for name, [device] in result["slots"].items():
+        shard = re.search(r"_shard(\d)_", name)
+        allowed = {int(shard[1]), int(shard[1]) + 2} if shard else {0, 2}
+        assert _task(device) in allowed, (name, device)
+        owners.add(_task(device) // 2)
+    assert owners == {0, 1}  # Both replicas own a share.
 
 
 # --- The launcher's coordinator mode, with stand-in processes (no TensorFlow) -----------

@@ -21,39 +21,14 @@ from tfpar.errors import DeviceError, PlacementError
 from tfpar.keras import internals
 from tfpar.keras import split_variables as keras_tp
 
+import multi_worker_common as common
 from conftest import cpus
 
 TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
-H, INPUTS, OUTPUTS, BATCH, M = 8, 6, 3, 16, 2
-
-
-def megatron_mlp(seed=0):
-    """Dense -> [Dense(4h, column) -> Dense(h, row)] x 2 -> head: one Megatron MLP per
-    stage when cut in two (no marker: the cut balances parameters)."""
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((INPUTS,)),
-        keras.layers.Dense(H, name="embed"),
-        keras.layers.Dense(4 * H, activation="relu", name="mlp_in_0"),
-        keras.layers.Dense(H, name="mlp_out_0"),
-        keras.layers.Dense(4 * H, activation="gelu", name="mlp_in_1"),
-        keras.layers.Dense(H, activation="tanh", name="mlp_out_1"),
-        keras.layers.Dense(OUTPUTS, name="head"),
-    ], name="megatron")
-
-
-def megatron_layout(mesh=None):
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[r".*mlp_in_\d/kernel"] = (None, "model")   # Column: output units split.
-    layout_map[r".*mlp_out_\d/kernel"] = ("model", None)  # Row: input features split.
-    return layout_map
-
-
-def _data(n=64):
-    rng = np.random.default_rng(0)
-    return (rng.normal(size=(n, INPUTS)).astype("float32"),
-            rng.normal(size=(n, OUTPUTS)).astype("float32"))
+H, INPUTS, OUTPUTS = common.MEGATRON_HIDDEN, common.MEGATRON_INPUTS, common.MEGATRON_OUTPUTS
+BATCH, M = 16, 2
+megatron_mlp, megatron_layout, _data = common.megatron_mlp, common.megatron_layout, common.megatron_data
 
 
 def _optimizer(name):
