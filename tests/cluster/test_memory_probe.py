@@ -56,7 +56,8 @@ def test_the_callback_records_each_epochs_peak_and_the_strategys_plan():
     assert second.allocator_peak_bytes - first.allocator_peak_bytes >= 8 * MIB
     # Adam, 2 replicas, 4 bytes a value: weights, gradients and 2 slots on each device.
     params = 64 * 4096 + 4096 + 4096 + 1
-    assert peaks.planned == 16 * params
+    # Plus the update's temporaries: Adam's 3 copies of the largest variable (64 x 4096).
+    assert peaks.planned == 16 * params + 4 * 3 * 64 * 4096
     # What training keeps (weights and Adam's slots) is held in the allocator after it.
     assert second.allocator_bytes >= 12 * params
 
