@@ -456,3 +456,25 @@ def test_a_keras_without_its_call_context_fails_closed(monkeypatch):
                 steps.inside_a_layer_call()
     finally:
         steps._call_context_checked.clear()
+
+
+def test_split_calls_inside_a_block_fail_closed_if_keras_stops_running_the_instance_call(
+        monkeypatch):
+    """A tensor-parallel pipeline runs a split Dense inside a Transformer block by setting
+    its `call` on the instance; a Keras whose __call__ ran the class's `call` would train
+    the whole variables instead. The check it makes first says so."""
+    import keras
+
+    from tfpar.keras import split_variables
+
+    split_variables._check_instance_calls.cache_clear()
+    split_variables._check_instance_calls()  # This Keras runs the instance's call.
+    split_variables._check_instance_calls.cache_clear()
+    monkeypatch.setattr(keras.layers.Identity, "__call__",
+                        lambda self, x, **kwargs: type(self).call(self, x))
+    try:
+        with pytest.raises(InternalsError, match=r"Layer.__call__ running the `call` of the "
+                                                 r"layer instance.*tested with Keras"):
+            split_variables._check_instance_calls()
+    finally:
+        split_variables._check_instance_calls.cache_clear()

@@ -12,6 +12,9 @@ What Keras does in a layer's `__call__` around `call` (input casting, masks, act
 regularizers) is not done by a split call: `refusal` names the layers that need it.
 """
 
+import contextlib
+import functools
+
 import numpy as np
 import tensorflow as tf
 
@@ -208,3 +211,44 @@ def refusal(layer):
         if getattr(layer, what, None) is not None:
             return f"it has a {what}"
     return None
+
+
+def sublayers(layer):
+    """The layers nested in `layer` (a composite such as a Transformer block), not itself."""
+    return list(internals.attr(layer, "_flatten_layers")(include_self=False))
+
+
+def run_node(layer, args, kwargs, training):
+    """Calls `layer` as Keras' functional graph runs one node."""
+    operation_fn = internals.symbol("keras.src.models.functional.operation_fn")
+    return operation_fn(layer, training=training)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def calls_replaced(replacements):
+    """While the block runs, each layer of `replacements` ({layer: call(inputs, **kwargs)})
+    runs that call in place of its own whenever it is called (inside a composite layer's
+    call, which tfpar cannot rewrite): Keras' `Layer.__call__` runs the layer's `call`
+    attribute, which is set on the instance for the block."""
+    _check_instance_calls()
+    for layer, call in replacements.items():
+        object.__setattr__(layer, "call", call)
+    try:
+        yield
+    finally:
+        for layer in replacements:
+            object.__delattr__(layer, "call")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_instance_calls():
+    """Fails closed unless a call set on a Keras layer instance is what `__call__` runs."""
+    import keras
+
+    probe = keras.layers.Identity()  # No variables: asked inside a step being traced.
+    ran = []
+    object.__setattr__(probe, "call", lambda inputs, **kwargs: ran.append(1) or inputs)
+    with tf.init_scope():
+        probe(tf.zeros((1, 1)))
+    internals.check(ran == [1], "Keras' Layer.__call__ running the `call` of the layer "
+                    "instance (tfpar sets it on the split layers inside a composite layer)")

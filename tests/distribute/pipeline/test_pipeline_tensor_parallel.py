@@ -338,6 +338,83 @@ def test_memory_is_not_planned_or_reported_yet():
         strategy.memory_report(model)
 
 
+def gpt2(vocabulary=16, length=8, layers=2):
+    """A GPT-2 style decoder of keras-hub's layers (token and position embedding, 2
+    `TransformerDecoder` blocks with causal self-attention, hidden 16, 2 heads) and a head
+    over the vocabulary: each block is one node of the model, its attention and MLP
+    layers inside."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((length,), dtype="int32", name="token_ids")
+    x = keras_hub.layers.TokenAndPositionEmbedding(vocabulary, length, 16,
+                                                   name="embedding")(tokens)
+    for i in range(layers):
+        x = keras_hub.layers.TransformerDecoder(32, 2, dropout=0.0,
+                                                name=f"transformer_layer_{i}")(x)
+    model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
+    # epsilon 1e-3: the key bias's gradient is 0 in exact arithmetic (softmax ignores a
+    # shift shared by a row's scores), and Adam's default 1e-7 would scale its rounding
+    # noise, which differs with the order of sums, up to the size of a step.
+    model.compile(keras.optimizers.Adam(0.01, epsilon=1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def gpt2_layout(mesh=None):
+    """Megatron's split of a GPT-2 block, by keras-hub's variable paths."""
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*self_attention/(query|key|value)/kernel"] = (None, "model", None)  # heads
+    layout_map[r".*self_attention/attention_output/kernel"] = ("model", None, None)
+    layout_map[r".*feedforward_intermediate_dense/kernel"] = (None, "model")
+    layout_map[r".*feedforward_output_dense/kernel"] = ("model", None)
+    return layout_map
+
+
+def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_device():
+    """A Transformer block is one node of the model graph: its attention projections and MLP
+    layers are split where the block calls them (column outputs gathered, row inputs
+    sliced), 2 stages x 2 devices, Adam: equal to one device, each shard on its device."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (32, 8)).astype("int32")
+    y = rng.integers(0, 16, (32, 8)).astype("int32")
+    want = gpt2()
+    initial = want.get_weights()
+    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(4), num_stages=2, num_micro_batches=2,
+                                      schedule="1f1b", tensor_parallel=2,
+                                      layout_map=gpt2_layout())
+    with strategy.scope():
+        model = gpt2()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    stages = strategy.stages(model)
+    assert "transformer_layer_0" in stages[0] and "transformer_layer_1" in stages[1], stages
+    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    # 2 blocks x 10 split variables (q, k, v kernels and biases, the output kernel, the
+    # MLP's two kernels and the first's bias) x 2 shards, each with its Adam state on the
+    # device of its stage and rank: stage s on CPUs 2s, 2s + 1.
+    slots = [v for v in model.optimizer.variables if "_shard" in v.path]
+    assert len(slots) == 2 * 10 * 2 * 2
+    query = [v for v in model.optimizer.variables
+             if v.path.endswith("kernel_shard1_momentum") and v.shape == (16, 1, 8)]
+    assert sorted(_device_index(_copies(v)[0].device) for v in query) == [1, 1, 1, 3, 3, 3]
+
+
+def test_a_layout_on_a_weight_no_dense_layer_of_a_block_owns_is_refused():
+    layout_map = gpt2_layout()
+    layout_map[r".*self_attention_layer_norm/gamma"] = ("model",)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=1, tensor_parallel=2,
+                                      layout_map=layout_map)
+    with pytest.raises(PlacementError, match=r"transformer_layer_0/self_attention_layer_norm/"
+                                             r"gamma, a weight of layer 'transformer_layer_0' "
+                                             r"\(TransformerDecoder\) that no Dense"):
+        with strategy.scope():
+            model = gpt2()
+        strategy.stages(model)
+
+
 def _placed(layers, layout):
     strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=1, tensor_parallel=2,
                                       layout_map=layout)
@@ -375,3 +452,27 @@ def _layout(**entries):
 def test_layouts_it_cannot_run_are_refused_before_the_first_step(layers, layout, message):
     with pytest.raises(PlacementError, match=message):
         _placed(layers(), _layout(**layout))
+
+
+def test_the_degrees_and_devices_can_be_said_once_by_the_layout_maps_device_mesh():
+    """A DeviceMesh with axes "data", "pipe" and "model" gives R, K, T and the devices (its
+    array read replica-major, then stage, then model axis, whatever the axes' order)."""
+    mesh = keras.distribution.DeviceMesh((2, 2), ("model", "pipe"),
+                                         devices=[["cpu:0", "cpu:2"], ["cpu:1", "cpu:3"]])
+    strategy = tfpar.PipelineStrategy(num_micro_batches=M, schedule="1f1b",
+                                      layout_map=megatron_layout(mesh))
+    assert (strategy.num_stages, len(strategy.stage_devices)) == (2, 1)
+    assert [[[_device_index(d) for d in stage] for stage in replica]
+            for replica in strategy.tensor_parallel_devices] == [[[0, 1], [2, 3]]]
+    _, want = _trained("adam", None)
+    x, y = _data()
+    with strategy.scope():
+        model = megatron_mlp()
+        model.compile(_optimizer("adam"), "mse")
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    _check_equal(model, want, "mesh")
+    rows = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+        (2,), ("rows",), devices=["cpu:0", "cpu:1"]))
+    rows[".*mlp_in_0/kernel"] = (None, "rows")
+    with pytest.raises(ValueError, match=r"axes \['rows'\], which a PipelineStrategy does not"):
+        tfpar.PipelineStrategy(layout_map=rows)

@@ -245,6 +245,9 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                              f"to wait for a silent stage worker without end. Received: "
                              f"stage_timeout_seconds={stage_timeout_seconds!r}")
         self._stage_timeout_seconds = stage_timeout_seconds
+        devices, num_replicas, num_stages, tensor_parallel = (
+            tensor_parallel_lib.degrees_of_mesh(layout_map, devices, num_replicas, num_stages,
+                                                tensor_parallel, cluster_resolver is not None))
         if cluster_resolver is not None:
             cluster = stage_workers.connect(cluster_resolver, connect_timeout_seconds)
             if devices is None:

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import re
 
+import numpy as np
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
@@ -57,6 +58,9 @@ class SplitLayer:
     split_variables: tuple  # (variable, axis) kept as shards.
     out_axis: object = None  # COLUMN: the output axis split (negative: from the end).
     in_axis: object = None  # ROW: the input axis split (negative).
+    # The layer of the model graph whose call calls this one (a Transformer block), or None
+    # when this layer is itself a node of the graph.
+    within: object = None
 
     @property
     def bias_split(self):
@@ -93,6 +97,40 @@ def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
                 f"or make the mesh's {name!r} axis {degrees[name]} long.")
 
 
+MESH_AXES = ("data", "batch", "pipe", MODEL_AXIS)
+
+
+def degrees_of_mesh(layout_map, devices, num_replicas, num_stages, tensor_parallel,
+                    from_cluster=False):
+    """(devices, R, K, T) with what the layout map's `keras.distribution.DeviceMesh` says
+    where the strategy's arguments are left at their defaults: the degrees said once, as a
+    mesh with axes "data" (or "batch"), "pipe" and "model", and the devices as its array
+    read in that order (replica-major, then stage, then the model axis). Arguments given
+    win; `check_layout_map` refuses a mesh that disagrees with them."""
+    mesh = getattr(layout_map, "device_mesh", None) if keras_tp.is_layout_map(
+        layout_map) else None
+    if mesh is None:
+        return devices, num_replicas, num_stages, tensor_parallel
+    names = list(mesh.axis_names)
+    unknown = [name for name in names if name not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"The layout map's device mesh has axes {unknown}, which a "
+                         f"PipelineStrategy does not know: name its axes among "
+                         f"{', '.join(repr(a) for a in MESH_AXES)}.")
+    sizes = dict(zip(names, mesh.shape))
+    if tensor_parallel == 1:
+        tensor_parallel = sizes.get(MODEL_AXIS, 1)
+    if num_replicas == 1:
+        num_replicas = sizes.get("data", sizes.get("batch", 1))
+    if num_stages is None and "pipe" in sizes:
+        num_stages = sizes["pipe"]
+    if devices is None and not from_cluster:
+        order = [names.index(a) for a in MESH_AXES if a in names]
+        devices = [d if d.startswith("/") else "/" + d
+                   for d in np.transpose(np.asarray(mesh.devices), order).reshape(-1)]
+    return devices, num_replicas, num_stages, tensor_parallel
+
+
 def _key_of(layout_map, path):
     """(the LayoutMap key matching `path`, its layout) or (None, None). Keras' own lookup
     first, which refuses a path that several keys match."""
@@ -114,6 +152,9 @@ def plan_layers(program, layout_map, tensor_parallel):
             calls.setdefault(id(node.operation), []).append(stage.index)
     for stage in program.stages:
         for layer in stage.layers:
+            if keras_tp.einsum_spec(layer) is None and keras_tp.sublayers(layer):
+                planned.update(_plan_within(layer, layout_map, tensor_parallel))
+                continue
             split = _plan_layer(layer, layout_map, tensor_parallel)
             if split is None:
                 continue
@@ -124,6 +165,30 @@ def plan_layers(program, layout_map, tensor_parallel):
                     f"layer must be called once. Drop its layout, or give each call a layer "
                     f"of its own.")
             planned[id(layer)] = split
+    return planned
+
+
+def _plan_within(composite, layout_map, t):
+    """{id(sublayer): SplitLayer} for the Dense and EinsumDense layers inside `composite`
+    (a layer of layers) that the layout map splits. Each runs split whenever the composite
+    calls it, its output gathered (a column) or its input sliced (a row): one more transfer
+    per layer than a Megatron pair passed from node to node."""
+    planned, covered = {}, set()
+    for sub in keras_tp.sublayers(composite):
+        if keras_tp.einsum_spec(sub) is None:
+            continue
+        split = _plan_layer(sub, layout_map, t)
+        covered.update(id(v) for v in sub.weights)
+        if split is not None:
+            planned[id(sub)] = dataclasses.replace(split, within=composite)
+    for variable in composite.weights:
+        key, layout = _key_of(layout_map, variable.path)
+        if id(variable) not in covered and layout is not None and MODEL_AXIS in layout.axes:
+            raise PlacementError(
+                f"The layout map's key {key!r} splits {variable.path}, a weight of layer "
+                f"{composite.name!r} ({type(composite).__name__}) that no Dense or "
+                f"EinsumDense layer in it owns: a tensor-parallel pipeline splits those only. "
+                f"Drop that layout.")
     return planned
 
 
@@ -318,6 +383,26 @@ def row_call(split, shards, stage_devices):
     return call
 
 
+def _as_layer_call(split_call):
+    """A split layer's call as its `call` attribute (inputs, then Keras' keywords)."""
+
+    def call(inputs, *args, **kwargs):
+        return split_call((inputs, *args), {}, kwargs.get("training"))
+
+    return call
+
+
+def _composite_call(composite, replacements):
+    """The call of a layer of layers whose split layers (`replacements`: {layer: call}) run
+    split while it runs."""
+
+    def call(args, kwargs, training):
+        with keras_tp.calls_replaced(replacements):
+            return keras_tp.run_node(composite, args, kwargs, training)
+
+    return call
+
+
 def _sole_consumer(node, program, stage):
     """The node of `stage` that alone reads `node`'s output (not the stage's output)."""
     output = node.outputs[0]
@@ -363,18 +448,26 @@ def split_program(program, planned, shard_homes, stage_devices):
     for stage in program.stages:
         homes = shard_homes(stage.index)
         split_ids = set()
-        for layer in stage.layers:
-            split = planned.get(id(layer))
-            if split is None:
+        inner = {}  # id(composite layer) -> (it, {its split layer: the call run for it})
+        held = {id(layer) for layer in stage.layers}
+        for split in planned.values():
+            if id(split.layer) not in held and id(split.within) not in held:
                 continue
+            layer = split.layer
             shards = []
             for variable, axis in split.split_variables:
                 made = make_shards(variable, axis, homes)
                 program.substitutes[id(variable)] = made
                 split_ids.add(id(variable))
                 shards.append(made)
-            node = next(n for n in stage.nodes if n.operation is layer)
             devices = functools.partial(stage_devices, stage.index)
+            if split.within is not None:
+                inner.setdefault(id(split.within), (split.within, {}))[1][split.layer] = (
+                    _as_layer_call(column_call(split, shards, devices, False)
+                                   if split.kind == COLUMN else
+                                   row_call(split, shards, devices)))
+                continue
+            node = next(n for n in stage.nodes if n.operation is layer)
             if split.kind == COLUMN:
                 reader = _sole_consumer(node, program, stage)
                 read_by = planned.get(id(reader.operation)) if reader is not None else None
@@ -383,6 +476,9 @@ def split_program(program, planned, shard_homes, stage_devices):
                 program.calls[id(node)] = column_call(split, shards, devices, keep)
             else:
                 program.calls[id(node)] = row_call(split, shards, devices)
+        for composite, replacements in inner.values():
+            node = next(n for n in stage.nodes if n.operation is composite)
+            program.calls[id(node)] = _composite_call(composite, replacements)
         stages.append(dataclasses.replace(
             stage,
             trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
