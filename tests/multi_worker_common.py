@@ -59,6 +59,42 @@ def megatron_data(n=64):
             rng.normal(size=(n, MEGATRON_OUTPUTS)).astype("float32"))
 
 
+def gpt2(vocabulary=16, length=8, layers=2):
+    """A GPT-2 style decoder of keras-hub's layers (token and position embedding, 2
+    `TransformerDecoder` blocks with causal self-attention, hidden 16, 2 heads) and a head
+    over the vocabulary: each block is one node of the model, its attention and MLP
+    layers inside."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((length,), dtype="int32", name="token_ids")
+    x = keras_hub.layers.TokenAndPositionEmbedding(vocabulary, length, 16,
+                                                   name="embedding")(tokens)
+    for i in range(layers):
+        x = keras_hub.layers.TransformerDecoder(32, 2, dropout=0.0,
+                                                name=f"transformer_layer_{i}")(x)
+    model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
+    # epsilon 1e-3: the key bias's gradient is 0 in exact arithmetic (softmax ignores a
+    # shift shared by a row's scores), and Adam's default 1e-7 would scale its rounding
+    # noise, which differs with the order of sums, up to the size of a step.
+    model.compile(keras.optimizers.Adam(0.01, epsilon=1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def gpt2_layout(mesh=None):
+    """Megatron's split of a GPT-2 block, by keras-hub's variable paths."""
+    import keras
+
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*self_attention/(query|key|value)/kernel"] = (None, "model", None)  # heads
+    layout_map[r".*self_attention/attention_output/kernel"] = ("model", None, None)
+    layout_map[r".*feedforward_intermediate_dense/kernel"] = (None, "model")
+    layout_map[r".*feedforward_output_dense/kernel"] = ("model", None)
+    return layout_map
+
+
 def optimizer(name="sgd"):
     import keras
 

@@ -1,6 +1,8 @@
 """R=2 replicas of a K=2 x T=2 tensor-parallel pipeline on 8 logical CPUs (more than the
 test process has), without ZeRO and with ZeRO-1 and ZeRO-3 over the replicas, each trained
-with Adam against one device; prints one JSON line per run."""
+with Adam against one device; then the README's 3D example, a keras-hub GPT-2 style
+decoder on a DeviceMesh (2, 2, 2) of axes data, pipe, model with ZeRO-1; prints one JSON
+line per run."""
 
 import json
 import os
@@ -19,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, TESTS)
 from multi_worker_common import megatron_data as _data  # noqa: E402
-from multi_worker_common import megatron_layout, megatron_mlp  # noqa: E402
+from multi_worker_common import gpt2, gpt2_layout, megatron_layout, megatron_mlp  # noqa: E402
 from tfpar.keras import internals  # noqa: E402
 from tfpar.keras import split_variables as keras_tp  # noqa: E402
 
@@ -38,6 +40,28 @@ def main():
     reference.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for shard in (None, "optimizer", "parameters"):
         run(reference, x, y, shard)
+    run_3d()
+
+
+def run_3d():
+    """The README's 3D example: data x pipe x model = 2 x 2 x 2, said once by the mesh."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (32, 8)).astype("int32")
+    y = rng.integers(0, 16, (32, 8)).astype("int32")
+    reference = gpt2()
+    reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    mesh = keras.distribution.DeviceMesh((2, 2, 2), ("data", "pipe", "model"),
+                                         devices=[f"cpu:{i}" for i in range(8)])
+    strategy = tfpar.PipelineStrategy(layout_map=gpt2_layout(mesh), shard="optimizer",
+                                      num_micro_batches=2, schedule="1f1b")
+    with strategy.scope():
+        model = gpt2()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    difference = max(float(np.abs(a - b).max())
+                     for a, b in zip(model.get_weights(), reference.get_weights()))
+    print(json.dumps({"shard": "3d", "difference": difference, "stages": strategy.stages(model),
+                      "degrees": [len(strategy.stage_devices), strategy.num_stages,
+                                  len(strategy.tensor_parallel_devices[0][0])]}))
 
 
 def run(reference, x, y, shard):

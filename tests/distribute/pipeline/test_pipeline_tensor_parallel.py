@@ -231,11 +231,14 @@ def test_two_replicas_of_the_split_pipeline_train_as_one_device_with_and_without
     done = subprocess.run([sys.executable, worker], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-3:]]
-    assert [r["shard"] for r in results] == [None, "optimizer", "parameters"]
+    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-4:]]
+    assert [r["shard"] for r in results] == [None, "optimizer", "parameters", "3d"]
     for result in results:
         assert result["difference"] < 1e-5, result
-    plain, zero1, zero3 = results
+    plain, zero1, zero3, three_d = results
+    # The README's 3D example (keras-hub blocks, R x K x T from the mesh, ZeRO-1).
+    assert three_d["degrees"] == [2, 2, 2]
+    assert [s[-1] for s in three_d["stages"]] == ["transformer_layer_0", "lm_head"], three_d
     # Replica r's copy of stage 0's shard t on /cpu:(4r + t); the copies took the same update,
     # and each copy keeps its own Adam state.
     assert plain["devices"] == [[0, 4], [1, 5]] and plain["copies_equal"], plain
@@ -338,37 +341,7 @@ def test_memory_is_not_planned_or_reported_yet():
         strategy.memory_report(model)
 
 
-def gpt2(vocabulary=16, length=8, layers=2):
-    """A GPT-2 style decoder of keras-hub's layers (token and position embedding, 2
-    `TransformerDecoder` blocks with causal self-attention, hidden 16, 2 heads) and a head
-    over the vocabulary: each block is one node of the model, its attention and MLP
-    layers inside."""
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((length,), dtype="int32", name="token_ids")
-    x = keras_hub.layers.TokenAndPositionEmbedding(vocabulary, length, 16,
-                                                   name="embedding")(tokens)
-    for i in range(layers):
-        x = keras_hub.layers.TransformerDecoder(32, 2, dropout=0.0,
-                                                name=f"transformer_layer_{i}")(x)
-    model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
-    # epsilon 1e-3: the key bias's gradient is 0 in exact arithmetic (softmax ignores a
-    # shift shared by a row's scores), and Adam's default 1e-7 would scale its rounding
-    # noise, which differs with the order of sums, up to the size of a step.
-    model.compile(keras.optimizers.Adam(0.01, epsilon=1e-3),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def gpt2_layout(mesh=None):
-    """Megatron's split of a GPT-2 block, by keras-hub's variable paths."""
-    layout_map = keras.distribution.LayoutMap(mesh)
-    layout_map[r".*self_attention/(query|key|value)/kernel"] = (None, "model", None)  # heads
-    layout_map[r".*self_attention/attention_output/kernel"] = ("model", None, None)
-    layout_map[r".*feedforward_intermediate_dense/kernel"] = (None, "model")
-    layout_map[r".*feedforward_output_dense/kernel"] = ("model", None)
-    return layout_map
+gpt2, gpt2_layout = common.gpt2, common.gpt2_layout
 
 
 def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_device():
