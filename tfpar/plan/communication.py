@@ -133,3 +133,30 @@ def tensor_parallel_bytes(activation_bytes, tensor_parallel, num_layer_pairs,
     """
     return (num_layer_pairs * num_micro_batches * 2
             * ring_all_reduce_bytes(activation_bytes, tensor_parallel))
+
+
+def layout_step_bytes(gradient_bytes, boundary_bytes, num_replicas=1, num_stages=1,
+                      tensor_parallel=1, zero_stage=0, num_micro_batches=1,
+                      layer_pairs_per_stage=0):
+    """Bytes all the devices of an R x K x T layout send in one training step, by axis
+    (the Megatron/DeepSpeed formulas summed over the devices): {"data", "pipe", "model"}.
+
+    `gradient_bytes`: one model copy's gradients; `boundary_bytes`: one micro-batch's
+    activation between two stages, and the output of each tensor-parallel layer pair (a
+    column then a row layer), `layer_pairs_per_stage` of them in each stage. A reduction
+    that sums on one device and sends the sum back moves as many bytes in all as a ring
+    does, so these totals hold for both.
+
+    >>> layout_step_bytes(1000, 10, num_replicas=2, num_stages=2, num_micro_batches=4)
+    {'data': 2000.0, 'pipe': 160, 'model': 0}
+    >>> layout_step_bytes(1000, 10, num_stages=2, tensor_parallel=2, num_micro_batches=4,
+    ...                   layer_pairs_per_stage=2)
+    {'data': 0, 'pipe': 80, 'model': 640.0}
+    """
+    r, k, t = num_replicas, num_stages, tensor_parallel
+    data = (r * k * t * data_parallel_bytes(gradient_bytes / (k * t), r, zero_stage)
+            if r > 1 else 0)
+    pipe = r * 2 * (k - 1) * num_micro_batches * boundary_bytes
+    model = (r * k * t * tensor_parallel_bytes(boundary_bytes, t, layer_pairs_per_stage,
+                                               num_micro_batches) if t > 1 else 0)
+    return {"data": data, "pipe": pipe, "model": model}

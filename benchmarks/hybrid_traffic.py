@@ -1,0 +1,147 @@
+"""Bytes each hybrid layout sends per training step across 4 worker processes, measured on
+the wire, against the Megatron/DeepSpeed formulas.
+
+Each layout runs as a job of its own: `tfpar launch --workers 4 --coordinator` (a chief
+that runs the program, 4 workers that hold the stages, one CPU device each, all in a
+private network namespace), `tfpar.PipelineStrategy(num_replicas=R, num_stages=K,
+tensor_parallel=T, shard=..., cluster_resolver=...)`. The chief reads the namespace's
+loopback counters (`/proc/net/dev`, bytes sent by every process of the job) before and
+after `--steps` steps of `train_on_batch` (after 2 warm-up steps) and divides. The formula
+(`tfpar.plan.communication.layout_step_bytes`) counts the gradient reduction over the data
+axis, the stage boundaries' activations and their gradients, the tensor-parallel pairs'
+reductions, plus the batch the chief sends each step; the wire adds gRPC framing and the
+runtime's own requests.
+
+    python benchmarks/hybrid_traffic.py [--steps 5] [--out FILE]
+
+The model is `benchmarks/hybrid.py`'s (8 x Dense(512) split Megatron's way under tensor
+parallelism, a 10-way head, Adam), global batch 256, 4 micro-batches, 1F1B.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from _common import command_line, write_json  # noqa: E402
+
+LAYOUTS = {  # name: (R, K, T, shard)
+    "pipeline, K=4": (1, 4, 1, None),
+    "pipeline K=2 x data R=2": (2, 2, 1, None),
+    "pipeline K=2 x data R=2, ZeRO-1": (2, 2, 1, "optimizer"),
+    "pipeline K=2 x data R=2, ZeRO-3": (2, 2, 1, "parameters"),
+    "pipeline K=2 x tensor T=2": (1, 2, 2, None),
+    "tensor T=2 x data R=2": (2, 1, 2, None),
+    "tensor T=4": (1, 1, 4, None),
+}
+
+
+def loopback_sent():
+    """Bytes sent over loopback in this network namespace so far."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def measure(layout, args):
+    """On the chief: trains the layout's strategy and returns its bytes per step."""
+    import tfpar
+
+    tfpar.virtual_cpus(2)  # One per pipeline replica: each is fed from one.
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpar.cli.train import megatron_layout_map
+    from tfpar.plan import communication, sharding
+
+    r, k, t, shard = LAYOUTS[layout]
+    strategy = tfpar.PipelineStrategy(
+        num_replicas=r, num_stages=k, tensor_parallel=t, shard=shard, schedule="1f1b",
+        num_micro_batches=args.micro_batches,
+        layout_map=megatron_layout_map(args.layers) if t > 1 else None,
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((args.width,))]
+            + [keras.layers.Dense(args.width, activation="relu", name=f"hidden_{i}")
+               for i in range(args.layers)] + [keras.layers.Dense(10)])
+        model.compile(keras.optimizers.Adam(1e-4),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.global_batch, args.width), dtype=np.float32)
+    y = (np.arange(args.global_batch) % 10).astype("int32")
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    before = loopback_sent()
+    for _ in range(args.steps):
+        model.train_on_batch(x, y)
+    sent = (loopback_sent() - before) / args.steps
+    boundary = 4 * args.width * args.global_batch // r // args.micro_batches
+    formula = communication.layout_step_bytes(
+        4 * model.count_params(), boundary, r, k, t, sharding.STAGES[shard],
+        args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k)
+    formula["inputs"] = x.nbytes + y.nbytes
+    return {"measured": sent, "formula": formula}
+
+
+def run_layout(layout, args):
+    """Runs `layout` as a job of its own; returns what its chief measured."""
+    command = [sys.executable, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator",
+               "--network=private", "--timeout=600", "--", sys.executable,
+               os.path.abspath(__file__), f"--layout={layout}"] + [
+        f"--{key}={value}" for key, value in vars(args).items()
+        if key not in ("out", "layout")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=700)
+    found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines()
+             if "RESULT " in line]
+    if done.returncode or not found:
+        raise RuntimeError(f"{layout}: exit {done.returncode}\n{done.stdout[-3000:]}")
+    return json.loads(found[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--global_batch", type=int, default=256)
+    parser.add_argument("--micro_batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layout", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "hybrid_traffic.json"))
+    args = parser.parse_args()
+    if args.layout:
+        print("RESULT " + json.dumps(measure(args.layout, args)), flush=True)
+        return
+    mib = 1 << 20
+    print(f"MLP {args.layers}x{args.width} + head, Adam, global batch {args.global_batch}, "
+          f"{args.micro_batches} micro-batches, 4 worker processes; MiB per step")
+    print(f"{'layout':34s} {'measured':>9s} {'formula':>8s} {'ratio':>6s}   "
+          f"{'data':>6s} {'pipe':>6s} {'model':>6s} {'inputs':>6s}")
+    rows = {}
+    for layout in LAYOUTS:
+        result = run_layout(layout, args)
+        formula = result["formula"]
+        total = sum(formula.values())
+        rows[layout] = dict(result, formula_total=total,
+                            ratio=round(result["measured"] / total, 3))
+        print(f"{layout:34s} {result['measured'] / mib:9.2f} {total / mib:8.2f} "
+              f"{result['measured'] / total:6.2f}   "
+              + " ".join(f"{formula[axis] / mib:6.2f}"
+                         for axis in ("data", "pipe", "model", "inputs")), flush=True)
+    write_json(args.out, {"benchmark": "hybrid_traffic",
+                          "command": command_line("hybrid_traffic", argparse.Namespace(**{
+                              k: v for k, v in vars(args).items() if k != "layout"})),
+                          "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
