@@ -56,7 +56,8 @@ STRATEGIES = {
 }
 # "pipe_zero1/2/3": pipe_r2k2 with ZeRO stage 1, 2 or 3 over each stage's 2 replicas
 # (expected.PIPELINE_ZERO_FEATURES, expected.PIPELINE_ZERO23_FEATURES).
-# Strategies run on every feature; "dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb"
+# "dp2" and "1f1b" run every feature; "mp" and "zero3" (expected.MP_FEATURES,
+# expected.ZERO3_FEATURES), "dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb"
 # (zero-bubble H1: the backward split into input and weight gradients) and "2bw" run on
 # representative subsets (expected.DP4_FEATURES, expected.PIPELINE_REPLICA_FEATURES: those
 # whose numbers depend on the replica count, as dp2 runs all; expected.ZERO1_FEATURES,
@@ -64,7 +65,7 @@ STRATEGIES = {
 # and 1F1B share their code and run on all; expected.TWO_BW_FEATURES). (The subsets keep the
 # suite's time down: a cell costs 2-14 s, mostly TensorFlow tracing.)
 SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw", "pipe_zero1",
-                  "pipe_zero2", "pipe_zero3")
+                  "pipe_zero2", "pipe_zero3", "mp", "zero3")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
