@@ -1,17 +1,18 @@
 """The chief of the hybrid-across-workers tests, run by `tfpar launch --workers 4
 --coordinator` (the workers serve; this process runs the program):
 
-    python hybrid_chief.py --out=FILE --replicas=R --stages=K --tensor_parallel=T [--shard=S]
+    python hybrid_chief.py --out=FILE --layouts=R,K,T,S[;R,K,T,S ...]
 
 1. Before connecting: the reference, the Megatron MLP trained with Adam on this process's
    CPU for 2 epochs of 4 steps.
-2. `tfpar.PipelineStrategy(num_replicas=R, num_stages=K, tensor_parallel=T, shard=S,
-   cluster_resolver=TFConfigClusterResolver())` over the R x K x T worker processes: the
-   same model and steps.
+2. For each layout in turn, `tfpar.PipelineStrategy(num_replicas=R, num_stages=K,
+   tensor_parallel=T, shard=S (or None), cluster_resolver=TFConfigClusterResolver())` over
+   the R x K x T worker processes: the same model and steps (one job for several layouts:
+   each start of 5 processes costs seconds).
 
-Writes FILE (JSON): the largest difference to the reference, how far training moved the
-weights, the stage devices, and where each variable of the model and of its optimizer
-lives (the devices of its copies, or of its shards).
+Writes FILE (JSON, one entry per layout): the largest difference to the reference, how far
+training moved the weights, the stage devices, and where each variable of the model and of
+its optimizer lives (the devices of its copies, or of its shards).
 """
 
 import json
@@ -33,10 +34,8 @@ import multi_worker_common as common  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Where to write the results (JSON).")
-flags.DEFINE_integer("replicas", 1, "Pipeline replicas R.")
-flags.DEFINE_integer("stages", 2, "Stages K.")
-flags.DEFINE_integer("tensor_parallel", 1, "Devices T each stage is split over.")
-flags.DEFINE_string("shard", None, "ZeRO over the replicas: optimizer, gradients, parameters.")
+flags.DEFINE_string("layouts", None, "R,K,T,shard;... (shard: optimizer, gradients, "
+                    "parameters or none).")
 
 BATCH = 16
 
@@ -79,24 +78,29 @@ def main(argv):
 
     initial = common.megatron_mlp().get_weights()
     want = _trained().get_weights()
-    keras.backend.clear_session()
-    strategy = tfpar.PipelineStrategy(
-        num_micro_batches=2, num_replicas=FLAGS.replicas, num_stages=FLAGS.stages,
-        tensor_parallel=FLAGS.tensor_parallel, shard=FLAGS.shard,
-        layout_map=common.megatron_layout() if FLAGS.tensor_parallel > 1 else None,
-        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
-    model = _trained(strategy)
-    got = model.get_weights()
-    result = {
-        "difference": max(float(np.abs(a - b).max()) for a, b in zip(got, want)),
-        "moved": max(float(np.abs(a - b).max()) for a, b in zip(got, initial)),
-        "stage_devices": [list(row) for row in strategy.stage_devices],
-        "weights": {v.path: _devices(v) for v in model.weights},
-        "slots": {v.path: _devices(v) for v in model.optimizer.variables
-                  if v.path.endswith(("momentum", "velocity"))},
-    }
+    results = []
+    for layout in FLAGS.layouts.split(";"):
+        replicas, stages, tensor_parallel, shard = layout.split(",")
+        tensor_parallel = int(tensor_parallel)
+        keras.backend.clear_session()
+        strategy = tfpar.PipelineStrategy(
+            num_micro_batches=2, num_replicas=int(replicas), num_stages=int(stages),
+            tensor_parallel=tensor_parallel, shard=None if shard == "none" else shard,
+            layout_map=common.megatron_layout() if tensor_parallel > 1 else None,
+            cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+        model = _trained(strategy)
+        got = model.get_weights()
+        results.append({
+            "layout": layout,
+            "difference": max(float(np.abs(a - b).max()) for a, b in zip(got, want)),
+            "moved": max(float(np.abs(a - b).max()) for a, b in zip(got, initial)),
+            "stage_devices": [list(row) for row in strategy.stage_devices],
+            "weights": {v.path: _devices(v) for v in model.weights},
+            "slots": {v.path: _devices(v) for v in model.optimizer.variables
+                      if v.path.endswith(("momentum", "velocity"))},
+        })
     with open(FLAGS.out, "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
     print("DONE", flush=True)
 
 

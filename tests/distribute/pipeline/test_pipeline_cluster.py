@@ -150,18 +150,24 @@ def test_the_training_binary_pipelines_across_workers_under_the_launcher():
 HYBRID_CHIEF = os.path.join(HERE, "workers", "hybrid_chief.py")
 
 
-def _hybrid(tmp_path, *flags):
+HYBRID_LAYOUTS = {"zero3": "2,2,1,parameters", "tp_zero1": "2,1,2,optimizer"}
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
     """Runs hybrid_chief.py (the Megatron MLP, Adam, 2 epochs against one device) under
-    `tfpar launch --workers=4 --coordinator`; returns its results."""
-    out = tmp_path / "result.json"
+    `tfpar launch --workers=4 --coordinator`, once for both layouts; {name: its results}."""
+    out = tmp_path_factory.mktemp("hybrids") / "result.json"
     command = [PY, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator", "--timeout=200",
-               "--", PY, HYBRID_CHIEF, f"--out={out}", *flags]
+               "--", PY, HYBRID_CHIEF, f"--out={out}",
+               f"--layouts={';'.join(HYBRID_LAYOUTS.values())}"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=260,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert run.returncode == 0, run.stdout[-4000:]
-    result = json.loads(out.read_text())
-    assert result["moved"] > 1e-3  # Training changed the weights: the comparison can tell.
-    return result
+    results = dict(zip(HYBRID_LAYOUTS, json.loads(out.read_text())))
+    for result in results.values():
+        assert result["moved"] > 1e-3  # Training changed the weights: the comparison can tell.
+    return results
 
 
 def _task(device):
@@ -169,10 +175,10 @@ def _task(device):
 
 
 @pytest.mark.slow
-def test_pipeline_replicas_with_zero_3_train_on_four_worker_processes_as_one_device(tmp_path):
+def test_pipeline_replicas_with_zero_3_train_on_four_worker_processes_as_one_device(hybrids):
     """R=2 replicas x K=2 stages, one stage per worker process, shard='parameters': each
     weight and its Adam slots live on one worker, its owner among its stage's two."""
-    result = _hybrid(tmp_path, "--replicas=2", "--stages=2", "--shard=parameters")
+    result = hybrids["zero3"]
     assert result["difference"] < 1e-5, result
     assert result["stage_devices"] == [[WORKER.format(0), WORKER.format(1)],
                                        [WORKER.format(2), WORKER.format(3)]]
@@ -190,12 +196,11 @@ def test_pipeline_replicas_with_zero_3_train_on_four_worker_processes_as_one_dev
 
 @pytest.mark.slow
 def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_one_device(
-        tmp_path):
+        hybrids):
     """R=2 replicas x T=2 (one stage split Megatron's way over two worker processes),
     shard='optimizer': a split kernel has a shard on every worker; an unsplit weight a copy
     on each replica's first; every Adam slot one owner."""
-    result = _hybrid(tmp_path, "--replicas=2", "--stages=1", "--tensor_parallel=2",
-                     "--shard=optimizer")
+    result = hybrids["tp_zero1"]
     assert result["difference"] < 1e-5, result
     for path, devices in result["weights"].items():
         split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
