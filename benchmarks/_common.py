@@ -28,6 +28,21 @@ def mlp_and_step(args, global_batch, optimizer=None):
     return model, sgd_replica_step(model, global_batch, optimizer)
 
 
+def hidden_mlp(width, layers):
+    """`layers` x Dense(width, relu) named hidden_<i> (as `tfpar.cli.train.megatron_layout_map`
+    splits them) and a 10-way head, compiled with Adam. Call under the strategy's scope."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu", name=f"hidden_{i}")
+           for i in range(layers)] + [keras.layers.Dense(10)])
+    model.compile(keras.optimizers.Adam(1e-4),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def cnn_and_step(global_batch, image_size=32):
     """A VGG-style CNN (6 convolutions, 64-256 channels, 10-way head) with SGD.
 

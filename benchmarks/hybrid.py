@@ -23,7 +23,8 @@ import statistics
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import add_common_args, batch, command_line, two_stream_ceiling, write_json  # noqa: E402
+from _common import (add_common_args, batch, command_line, hidden_mlp,  # noqa: E402
+                     two_stream_ceiling, write_json)
 
 DEVICES = 4
 CANDIDATES = {  # name: (strategy, its arguments)
@@ -78,19 +79,12 @@ def measure_candidate(name, args):
     import tfpar
 
     tfpar.virtual_cpus(DEVICES, one_core_each=True)
-    import keras
 
     kind, arguments = CANDIDATES[name]
     x, y = batch(args.global_batch, args.width)
     strategy = make_strategy(kind, arguments, args.micro_batches, args.layers)
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((args.width,))]
-            + [keras.layers.Dense(args.width, activation="relu", name=f"hidden_{i}")
-               for i in range(args.layers)] + [keras.layers.Dense(10)])
-        model.compile(keras.optimizers.Adam(1e-4),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = hidden_mlp(args.width, args.layers)
     for _ in range(2):
         model.train_on_batch(x, y)  # Trace, place, warm up.
     start = time.perf_counter()

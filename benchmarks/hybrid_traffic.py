@@ -26,7 +26,7 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from _common import command_line, write_json  # noqa: E402
+from _common import command_line, hidden_mlp, write_json  # noqa: E402
 
 LAYOUTS = {  # name: (R, K, T, shard)
     "pipeline, K=4": (1, 4, 1, None),
@@ -54,7 +54,6 @@ def measure(layout, args):
     import tfpar
 
     tfpar.virtual_cpus(2)  # One per pipeline replica: each is fed from one.
-    import keras
     import numpy as np
     import tensorflow as tf
 
@@ -68,13 +67,7 @@ def measure(layout, args):
         layout_map=megatron_layout_map(args.layers) if t > 1 else None,
         cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [keras.Input((args.width,))]
-            + [keras.layers.Dense(args.width, activation="relu", name=f"hidden_{i}")
-               for i in range(args.layers)] + [keras.layers.Dense(10)])
-        model.compile(keras.optimizers.Adam(1e-4),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = hidden_mlp(args.width, args.layers)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.global_batch, args.width), dtype=np.float32)
     y = (np.arange(args.global_batch) % 10).astype("int32")

@@ -153,3 +153,24 @@ class Cluster:
         for name in list(self.tasks):
             self.kill(name)
         self._ports.close()
+
+
+def run_in_own_session(command, timeout):
+    """(exit code, output) of `command`, run in a session of its own that is killed whole
+    after `timeout` seconds (an AssertionError then) and at the end, with whatever it left
+    behind."""
+    process = subprocess.Popen(command, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"{command} took over {timeout} s:\n{output.decode()[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return process.returncode, output.decode(errors="replace")

@@ -16,11 +16,10 @@ own resident peak is compared with the cap instead, and the test says so.
 
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
+from cluster_helper import run_in_own_session
 
 from tfpar.cluster import memory_cgroup
 
@@ -34,23 +33,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(command):
-    """(exit code, output) of `command`, in a session of its own killed whole after
-    TIMEOUT seconds."""
-    process = subprocess.Popen(command, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"{command} took over {TIMEOUT} s:\n{output.decode()[-3000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # Whatever it left behind.
-        except ProcessLookupError:
-            pass
-    return process.returncode, output.decode(errors="replace")
+    return run_in_own_session(command, TIMEOUT)
 
 
 def _on_four_workers(strategy, *args):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from cluster_helper import run_in_own_session
 
 from tfpar.cluster import memory_cgroup
 
@@ -31,23 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(command):
-    """(exit code, output, peak resident bytes of the process and its children) of
-    `command`, run in a session of its own that is killed whole after TIMEOUT seconds."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"{command} took over {TIMEOUT} s:\n{output.decode()[-3000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # Whatever it left behind.
-        except ProcessLookupError:
-            pass
-    return process.returncode, output.decode(errors="replace")
+    return run_in_own_session(command, TIMEOUT)
 
 
 def _peak_of(command):
