@@ -408,7 +408,7 @@ def _mean_aggregated_statistics(build):
     return wrapper
 
 
-def _own_tensors(grads):
+def _own_tensors(grads, where_made=False):
     """Each replica's gradients as tensors of its own.
 
     TensorFlow regroups one tensor object that every replica passes (one made outside
@@ -417,10 +417,13 @@ def _own_tensors(grads):
     escapes this by accumulating per replica first (tested in Keras'
     `optimizer_distribute_test.py::test_gradient_accumulation`).
 
-    Each copy is made where its gradient is: under the replica's device scope a pipeline's
-    later stages' gradients went to the replica's device (measured across 4 worker
-    processes, R=2 x K=2: every gradient went to the chief and back, 2x the bytes).
+    `where_made` (a replica spanning devices: pipelines): each copy is made where its
+    gradient is. Under the replica's device scope a pipeline's later stages' gradients went
+    to the replica's device (measured across 4 worker processes, R=2 x K=2: every gradient
+    went to the chief and back, 2x the bytes).
     """
+    if not where_made:
+        return [g if g is None else tf.identity(g) for g in grads]
     copies = []
     for g in grads:
         if g is None:
@@ -440,7 +443,8 @@ def _accumulation_outside_cond(keras_apply):
     def apply(self, grads, trainable_variables):
         context = _replica_context("_tfpar_mirrored", min_replicas=1)
         if context is not None and context.num_replicas_in_sync > 1:
-            grads = _own_tensors(grads)
+            grads = _own_tensors(
+                grads, hooks_of(context.strategy)._tfpar_replica_spans_devices)
         steps = self.gradient_accumulation_steps
         if context is None or not steps or self.use_ema:
             return keras_apply(self, grads, trainable_variables)
