@@ -262,15 +262,16 @@ class Launcher:
                              f"{memory_cap!r}")
         self.memory_cap = memory_cap
         self._cgroups = {}  # task name -> its MemoryCgroup (--memory_cap)
-        jobs = [job for job, _ in cluster_jobs(workers, ps, coordinator)]
+        jobs = cluster_jobs(workers, ps, coordinator)
         if memory_cap_jobs is not None:
-            unknown = sorted(set(memory_cap_jobs) - set(jobs))
+            names = [job for job, _ in jobs]
+            unknown = sorted(set(memory_cap_jobs) - set(names))
             if unknown or not memory_cap_jobs:
                 raise ValueError(f"--memory_cap_jobs names jobs of this cluster ("
-                                 f"{', '.join(jobs)}). Received: {','.join(memory_cap_jobs)!r}")
+                                 f"{', '.join(names)}). Received: {','.join(memory_cap_jobs)!r}")
         self.memory_cap_jobs = None if memory_cap_jobs is None else tuple(memory_cap_jobs)
         self.command = list(command)
-        size = sum(n for _, n in cluster_jobs(workers, ps, coordinator))
+        size = sum(n for _, n in jobs)
         # Held until the run ends: also while a restarted worker starts again.
         self._ports = PortReservation(size + (1 + workers if data_service else 0), host)
         self.cluster = make_cluster(workers, ps, host, self._ports.ports[:size], coordinator)
