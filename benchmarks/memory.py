@@ -224,8 +224,8 @@ def run_config(config, args, limit, workdir):
     procs = {}
     for task, tf_config in _tf_configs(config).items():
         group = memory_cgroup.MemoryCgroup(f"tfpar_memory_{os.getpid()}_{config}_{task}", limit)
-        # As `tfpar launch` starts its tasks (launcher.MALLOC_ENV) unless told otherwise.
-        env = dict(launcher.MALLOC_ENV, **dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+        # As `tfpar launch` starts its tasks (malloc arenas, allocator statistics).
+        env = launcher.task_environment(dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
         env.pop("TF_CONFIG", None)
         if tf_config:
             env["TF_CONFIG"] = tf_config

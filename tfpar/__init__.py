@@ -30,6 +30,7 @@ _EXPORTS = {
     "ProcessMemory": "tfpar.cluster.memory_probe",
     "process_memory": "tfpar.cluster.memory_probe",
     "reset_memory_peaks": "tfpar.cluster.memory_probe",
+    "use_allocator_statistics": "tfpar.cluster.memory_probe",
     "MemoryPeaks": "tfpar.keras.memory_peaks",
 }
 

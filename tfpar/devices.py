@@ -7,7 +7,9 @@ def virtual_cpus(n, one_core_each=False):
     """Splits the host CPU into `n` logical devices `/CPU:0` .. `/CPU:n-1`.
 
     Call it before TensorFlow initializes its devices (before any op, strategy
-    or model is created). Calling it again with the same `n` is a no-op.
+    or model is created). Calling it again with the same `n` is a no-op. It also
+    selects the CPU allocator that keeps memory statistics on any CPU
+    (`tfpar.process_memory`; see `tfpar.cluster.memory_probe.allocator_statistics_env`).
 
     Args:
       n: number of logical CPU devices.
@@ -25,6 +27,9 @@ def virtual_cpus(n, one_core_each=False):
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"virtual_cpus(n) needs an integer n >= 1. Received: n={n!r}")
+    from tfpar.cluster.memory_probe import use_allocator_statistics
+
+    use_allocator_statistics()
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]

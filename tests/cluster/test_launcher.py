@@ -561,3 +561,30 @@ def test_tasks_keep_two_malloc_arenas_unless_the_environment_says(tmp_path, give
     launcher = Launcher([PY, "-c", code], 1, output=lines.append, env=env)
     assert launcher.run() == 0
     assert [line for line in lines if "arenas" in line] == [f"[worker:0] arenas {given or 2}"]
+
+
+@pytest.mark.parametrize("use_bfc", [None, "false"])
+def test_tasks_keep_allocator_statistics_on_any_cpu_unless_the_environment_says(use_bfc):
+    # oneDNN off, as TensorFlow defaults on CPUs without AVX-512 (an AMD EPYC): its default
+    # CPU allocator keeps no statistics. The task asks TensorFlow itself, not tfpar.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPU_")}
+    env.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    if use_bfc:
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = use_bfc
+    code = ("import tensorflow as tf\n"
+            "try: print('stats', sorted(tf.config.experimental.get_memory_info('CPU:0')))\n"
+            "except ValueError as e: print('stats', e)")
+    lines = []
+    launcher = Launcher([PY, "-c", code], 1, output=lines.append, env=env)
+    assert launcher.run() == 0
+    said = [line for line in lines if "stats" in line]
+    assert said == ([f"[worker:0] stats ['current', 'peak']"] if use_bfc is None else
+                    ["[worker:0] stats Allocator stats not available for device 'CPU:0'"])
+
+
+def test_docstrings():
+    import doctest
+
+    from tfpar.cluster import launcher
+
+    assert doctest.testmod(launcher).failed == 0

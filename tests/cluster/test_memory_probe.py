@@ -4,6 +4,7 @@ Keras callback that records them while training."""
 import doctest
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfpar
@@ -70,3 +71,83 @@ def test_without_a_tfpar_strategy_there_is_no_plan():
     peaks = tfpar.MemoryPeaks()
     model.fit(np.ones((4, 4)), np.ones((4, 2)), epochs=1, verbose=0, callbacks=[peaks])
     assert peaks.planned is None and len(peaks.epochs) == 1
+
+
+# -- on CPUs where TensorFlow keeps no allocator statistics by default (oneDNN off) ----------
+
+# Run in a fresh process: the allocator is chosen once, when TensorFlow starts.
+_PROBE = """
+import json, numpy as np, keras, tfpar
+{setup}
+tfpar.reset_memory_peaks()
+big = keras.ops.ones([16 << 20])  # 64 MiB, touched, then freed.
+total = float(keras.ops.sum(big))
+del big
+after = tfpar.process_memory()
+peaks = tfpar.MemoryPeaks()
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+model.compile("sgd", "mse")
+model.fit(np.ones((4, 4)), np.ones((4, 2)), epochs=1, verbose=0, callbacks=[peaks])
+print(json.dumps(dict(source=after.peak_source, allocator_peak=after.allocator_peak_bytes,
+                      rss_peak=after.rss_peak_bytes, peak=after.peak_bytes, text=after.format(),
+                      epochs=len(peaks.epochs), epoch_source=peaks.epochs[0].peak_source)))
+"""
+
+
+def _probe(setup="", **env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items()
+               if k not in (memory_probe.USE_BFC, memory_probe.BFC_LIMIT_MIB)}
+    environ.update(TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2", **env)
+    done = subprocess.run([sys.executable, "-c", _PROBE.format(setup=setup)], env=environ,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.one_process
+def test_with_onednn_off_the_probe_turns_allocator_statistics_on_itself():
+    # With oneDNN off TensorFlow's default CPU allocator keeps no statistics ("Allocator stats
+    # not available"): the probe, first to start TensorFlow here, selects the BFC allocator.
+    found = _probe()
+    assert found["source"] == "allocator", found
+    assert found["allocator_peak"] >= 64 * MIB
+    assert found["epochs"] == 1 and found["epoch_source"] == "allocator"
+
+
+@pytest.mark.slow
+@pytest.mark.one_process
+def test_without_statistics_the_probe_reports_the_resident_peak_labelled_and_never_raises():
+    # TensorFlow started (an op ran) before tfpar could choose, with oneDNN off and the
+    # BFC allocator refused: no allocator statistics can be had in this process.
+    found = _probe(setup="keras.ops.ones([1]).numpy()", TF_CPU_ALLOCATOR_USE_BFC="false")
+    assert found["source"] == "resident" and found["allocator_peak"] is None, found
+    assert found["peak"] == found["rss_peak"] >= 64 * MIB
+    assert found["text"].startswith("allocator statistics unavailable, resident ")
+    # The callback records its epoch too, from the resident set.
+    assert found["epochs"] == 1 and found["epoch_source"] == "resident"
+
+
+def test_a_device_that_does_not_exist_is_still_an_error():
+    with pytest.raises(ValueError, match="No matching devices"):
+        tfpar.process_memory("GPU:7")
+    with pytest.raises(ValueError, match="No matching devices"):
+        tfpar.reset_memory_peaks("CPU:99")
+
+
+def test_the_statistics_environment_keeps_what_the_user_set():
+    added = memory_probe.allocator_statistics_env({})
+    assert added[memory_probe.USE_BFC] == "true"
+    # The BFC allocator's limit is the host's memory (TensorFlow's own default: 64 GiB).
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MIB
+    assert added[memory_probe.BFC_LIMIT_MIB] == str(physical)
+    assert memory_probe.allocator_statistics_env({memory_probe.USE_BFC: "0"}) == {}
+    assert memory_probe.allocator_statistics_env({memory_probe.BFC_LIMIT_MIB: "512"}) == {
+        memory_probe.USE_BFC: "true"}

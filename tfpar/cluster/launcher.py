@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from tfpar.cluster import memory_cgroup
+from tfpar.cluster import memory_cgroup, memory_probe
 from tfpar.cluster.data_service import DATA_SERVICE_ENV
 from tfpar.cluster.tf_config import ClusterConfig
 
@@ -52,6 +52,23 @@ REUSE_PORT_ENV = {"TF_GRPC_REUSE_PORT": "1"}
 # thread, memory that gRPC transfers freed stayed resident, 1,590-1,685 MiB per worker
 # against 1,465-1,485 MiB with 2, with no slower steps.
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
+
+
+def task_environment(base=None):
+    """The environment a task starts with: `base` (default: this process's), with
+    `MALLOC_ENV` and TensorFlow's allocator statistics on any CPU
+    (`memory_probe.allocator_statistics_env`) unless `base` says otherwise, and
+    `REUSE_PORT_ENV`.
+
+    >>> env = task_environment({"MALLOC_ARENA_MAX": "8", "TF_CPU_ALLOCATOR_USE_BFC": "false"})
+    >>> env["MALLOC_ARENA_MAX"], env["TF_CPU_ALLOCATOR_USE_BFC"], env["TF_GRPC_REUSE_PORT"]
+    ('8', 'false', '1')
+    """
+    base = dict(os.environ if base is None else base)
+    env = dict(MALLOC_ENV, **memory_probe.allocator_statistics_env(base))
+    env.update(base)
+    env.update(REUSE_PORT_ENV)
+    return env
 
 
 def free_ports(count, host="127.0.0.1"):
@@ -282,8 +299,7 @@ class Launcher:
         self.report_seconds = report_seconds
         self.server_command = list(server_command)
         self.max_restarts = max_restarts
-        self.env = dict(MALLOC_ENV, **dict(os.environ if env is None else env,
-                                           **REUSE_PORT_ENV))
+        self.env = task_environment(env)
         self.data_service = None  # The dispatcher's address, "grpc://host:port".
         if data_service:
             # gRPC binds with SO_REUSEPORT by default: these ports are held too.

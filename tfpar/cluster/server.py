@@ -33,6 +33,9 @@ def serve(config, intra_op_threads=0, profiler_port=0):
         raise ValueError(
             f"tfpar.cluster.server serves 'worker' and 'ps' tasks; TF_CONFIG names task type "
             f"{config.task_type!r}. Run your training program on the chief instead.")
+    from tfpar.cluster.memory_probe import use_allocator_statistics
+
+    use_allocator_statistics()  # (What the chief places here is measured on any CPU.)
     import tensorflow as tf
 
     # The server's devices take their threads per op from its session config. (How many
