@@ -102,6 +102,10 @@ def optimizer(name="sgd"):
         return keras.optimizers.Adam(0.01)
     if name == "sgd_momentum":
         return keras.optimizers.SGD(LEARNING_RATE, momentum=0.9)
+    if name == "adamw_clip":
+        # A large model's recipe: weight decay, and a clipping threshold every step's
+        # gradient exceeds (the global norm: over every owner's share under ZeRO).
+        return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.05)
     return keras.optimizers.SGD(LEARNING_RATE)
 
 

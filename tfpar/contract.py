@@ -87,6 +87,9 @@ class StrategyHooks:
     # (variables) -> the variables an optimizer built for them keeps state for (a
     # tensor-parallel pipeline: each split variable's shards in its place).
     _tfpar_optimizer_variables = None
+    # (variables) -> lists of indices into `variables` that are one Keras variable's shards
+    # (a tensor-parallel pipeline), clipped by their joint norm (`clipnorm`).
+    _tfpar_clip_groups = None
     # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
     # loss counts until they are summed (`tfpar.distribute.parameter_server.ps_sync.SyncGradients`).
     _tfpar_sync_gradients = None

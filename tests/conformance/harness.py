@@ -178,14 +178,34 @@ def sequence_classes(n=EXAMPLES):
     return Data(data.x, data.y[:, 0])
 
 
+def replica_skewed(n=EXAMPLES):
+    """Classification data whose second half of every batch (replica 1 of 2, replicas 2-3 of
+    4, the later micro-batches) is 6x larger: that part's gradient alone exceeds a clipping
+    threshold the other part's does not reach."""
+    data = classification(n)
+    rows = np.arange(n) % BATCH >= BATCH // 2
+    data.x[rows] *= 6.0
+    return data
+
+
+def overflowing_on_one_replica(n=EXAMPLES):
+    """Classification data whose first batch's second half is 50x larger: under
+    mixed_float16 its loss-scaled gradients overflow (one device skips that step and halves
+    the scale), the first half's do not."""
+    data = classification(n)
+    data.x[BATCH // 2:BATCH] *= 50.0
+    return data
+
+
 # --- Models ----------------------------------------------------------------------------------
 
 def mlp(outputs=3, activation=None, first=None, second=None, inputs=4):
     """Input -> Dense(8, tanh) -> Dense(8, relu) -> Dense(outputs): three layers, so a pipeline
     of 2 stages can cut it. `first`/`second`: extra Dense keyword arguments."""
+    first = {"activation": "tanh", **(first or {})}
     return keras.Sequential([
         keras.Input((inputs,)),
-        keras.layers.Dense(8, activation="tanh", name="d1", **(first or {})),
+        keras.layers.Dense(8, name="d1", **first),
         keras.layers.Dense(8, activation="relu", name="d2", **(second or {})),
         keras.layers.Dense(outputs, activation=activation, name="out"),
     ])
@@ -302,6 +322,24 @@ class CustomStepModel(keras.Model):
             else:
                 metric.update_state(y, y_pred)
         return {m.name: m.result() for m in self.metrics}
+
+
+def relu_mlp():
+    """mlp() with ReLU first: large inputs give large activations and gradients (no tanh to
+    saturate them)."""
+    return mlp(first={"activation": "relu"})
+
+
+def masked_dense_model():
+    """Embedding(mask_zero=True) -> Dense d1 -> Dense d2 -> Dense out, per time step: the
+    padding mask passes through every Dense (a tensor-parallel column/row pair included) to
+    the loss."""
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(10, 4, mask_zero=True, name="emb"),
+        keras.layers.Dense(8, activation="tanh", name="d1"),
+        keras.layers.Dense(8, activation="relu", name="d2"),
+        keras.layers.Dense(3, name="out")])
 
 
 def custom_step_model():
@@ -525,8 +563,133 @@ def _features():
                 loop=custom_loop, policy="mixed_float16", atol=1e-2, rtol=1e-2,
                 summary='custom loop, set_global_policy("mixed_float16") + '
                         "LossScaleOptimizer (scale_loss), tolerance 1e-2"),
-    ]
+    ] + _recipe_features() + _optimizer_features()
     return {feature.name: feature for feature in f}
+
+
+def sgd(**kwargs):
+    return keras.optimizers.SGD(0.1, **kwargs)
+
+
+def _recipe_features():
+    """Recipes users train large models with, on data that differs across replicas."""
+    return [
+        Feature("clip_global_norm_one_replica", mlp,
+                lambda: dict(optimizer=sgd(global_clipnorm=0.1), loss=scce()),
+                data=replica_skewed,
+                summary="SGD(global_clipnorm=0.1); one replica's part alone over the threshold"),
+        Feature("clip_norm_one_replica", mlp,
+                lambda: dict(optimizer=sgd(clipnorm=0.1), loss=scce()), data=replica_skewed,
+                summary="SGD(clipnorm=0.1); one replica's part alone over the threshold"),
+        Feature("clip_value_one_replica", mlp,
+                lambda: dict(optimizer=sgd(clipvalue=0.02), loss=scce()), data=replica_skewed,
+                summary="SGD(clipvalue=0.02); one replica's part alone over the threshold"),
+        Feature("overflow_one_replica", relu_mlp,
+                lambda: dict(optimizer=keras.optimizers.LossScaleOptimizer(sgd()), loss=scce()),
+                data=overflowing_on_one_replica, policy="mixed_float16", atol=1e-2, rtol=1e-2,
+                summary='mixed_float16 + LossScaleOptimizer; one replica\'s part of the first '
+                        'batch overflows (one device skips the step), tolerance 1e-2'),
+        Feature("adamw_recipe", mlp, lambda: dict(
+                    optimizer=keras.optimizers.AdamW(
+                        keras.optimizers.schedules.CosineDecay(
+                            0.0, 4, warmup_target=0.02, warmup_steps=2),
+                        weight_decay=0.1, global_clipnorm=1.0),
+                    loss=scce()),
+                data=replica_skewed, epochs=2,
+                summary="AdamW(weight_decay=0.1, global_clipnorm=1.0), warmup then cosine decay"),
+        Feature("custom_loop_clip", mlp,
+                lambda: dict(optimizer=sgd(global_clipnorm=0.1), loss=scce()),
+                loop=custom_loop, data=replica_skewed,
+                summary="custom loop (apply_gradients in strategy.run), SGD(global_clipnorm=0.1), "
+                        "one replica's part alone over the threshold"),
+        Feature("masked_dense_sum", masked_dense_model,
+                lambda: dict(optimizer=adam(), loss=scce(reduction="sum")), data=sequences,
+                summary="Embedding(mask_zero=True) -> Dense -> Dense, per-step loss summed"),
+        Feature("masked_dense_mean", masked_dense_model, basic_compile(), data=sequences,
+                summary="Embedding(mask_zero=True) -> Dense -> Dense, per-step mean loss"),
+    ]
+
+
+# Every argument of Keras' optimizer base class (`OPTIMIZER_BASE.__init__`) and every optimizer
+# class in `keras.optimizers` has a row: the feature that trains with it (a row of its own, or
+# an existing one). tests/conformance/test_optimizer_rows.py reads the installed Keras and
+# fails on an argument or class without one.
+OPTIMIZER_ARGUMENT_ROWS = {
+    "learning_rate": "opt_learning_rate_schedule",
+    "weight_decay": "opt_weight_decay",
+    "clipnorm": "clip_norm_one_replica",
+    "clipvalue": "clip_value_one_replica",
+    "global_clipnorm": "clip_global_norm_one_replica",
+    "use_ema": "opt_use_ema",
+    "ema_momentum": "opt_ema_momentum",
+    "ema_overwrite_frequency": "opt_ema_overwrite_frequency",
+    "loss_scale_factor": "opt_loss_scale_factor",
+    "gradient_accumulation_steps": "gradient_accumulation",
+    "name": "opt_name",
+}
+OPTIMIZER_CLASS_ROWS = {
+    "Adam": "loss_sum_over_batch_size", "LossScaleOptimizer": "mixed_float16",
+    "SGD": "opt_SGD", "AdamW": "opt_AdamW", "Adadelta": "opt_Adadelta",
+    "Adafactor": "opt_Adafactor", "Adagrad": "opt_Adagrad", "Adamax": "opt_Adamax",
+    "Ftrl": "opt_Ftrl", "Lamb": "opt_Lamb", "Lion": "opt_Lion", "Nadam": "opt_Nadam",
+    "RMSprop": "opt_RMSprop", "Muon": "opt_Muon", "ScheduleFreeAdamW": "opt_ScheduleFreeAdamW",
+    "MultiOptimizer": "opt_MultiOptimizer",
+}
+
+
+def _optimizer(name, *args, **kwargs):
+    return lambda: dict(optimizer=getattr(keras.optimizers, name)(*args, **kwargs), loss=scce())
+
+
+def _multi_optimizer():
+    return dict(optimizer=keras.optimizers.MultiOptimizer(
+        adam(), {"d1/.*": keras.optimizers.SGD(0.1)}), loss=scce())
+
+
+def _optimizer_features():
+    """One row per optimizer argument and class (`OPTIMIZER_ARGUMENT_ROWS`,
+    `OPTIMIZER_CLASS_ROWS`) that has no row elsewhere; classes a Keras release lacks are
+    left out there."""
+    schedule = lambda: keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)  # noqa: E731
+    rows = [
+        ("opt_learning_rate_schedule", lambda: dict(optimizer=keras.optimizers.Adam(
+            schedule()), loss=scce()), "Adam(ExponentialDecay(0.02, 2, 0.5))"),
+        ("opt_weight_decay", lambda: dict(optimizer=adam(weight_decay=0.05), loss=scce()),
+         "Adam(weight_decay=0.05)"),
+        ("opt_use_ema", lambda: dict(optimizer=adam(use_ema=True), loss=scce()),
+         "Adam(use_ema=True)"),
+        ("opt_ema_momentum", lambda: dict(optimizer=adam(use_ema=True, ema_momentum=0.5),
+                                          loss=scce()), "Adam(use_ema=True, ema_momentum=0.5)"),
+        ("opt_ema_overwrite_frequency", lambda: dict(
+            optimizer=adam(use_ema=True, ema_overwrite_frequency=2), loss=scce()),
+         "Adam(use_ema=True, ema_overwrite_frequency=2)"),
+        ("opt_loss_scale_factor", lambda: dict(optimizer=adam(loss_scale_factor=64.0),
+                                               loss=scce()), "Adam(loss_scale_factor=64.0)"),
+        ("opt_name", lambda: dict(optimizer=adam(name="renamed"), loss=scce()),
+         'Adam(name="renamed")'),
+        ("opt_SGD", _optimizer("SGD", 0.05, momentum=0.9, nesterov=True),
+         "SGD(0.05, momentum=0.9, nesterov=True)"),
+        ("opt_AdamW", _optimizer("AdamW", 0.01, weight_decay=0.1), "AdamW(weight_decay=0.1)"),
+        ("opt_Adadelta", _optimizer("Adadelta", 1.0), "Adadelta(1.0)"),
+        ("opt_Adafactor", _optimizer("Adafactor", 0.05), "Adafactor(0.05)"),
+        ("opt_Adagrad", _optimizer("Adagrad", 0.1), "Adagrad(0.1)"),
+        ("opt_Adamax", _optimizer("Adamax", 0.01), "Adamax(0.01)"),
+        ("opt_Ftrl", _optimizer("Ftrl", 0.1), "Ftrl(0.1)"),
+        ("opt_Lamb", _optimizer("Lamb", 0.01), "Lamb(0.01)"),
+        ("opt_Lion", _optimizer("Lion", 0.001), "Lion(0.001)"),
+        ("opt_Nadam", _optimizer("Nadam", 0.01), "Nadam(0.01)"),
+        ("opt_RMSprop", _optimizer("RMSprop", 0.01), "RMSprop(0.01)"),
+        ("opt_Muon", _optimizer("Muon", 0.01), "Muon(0.01)"),
+        ("opt_ScheduleFreeAdamW", _optimizer("ScheduleFreeAdamW", 0.01),
+         "ScheduleFreeAdamW(0.01)"),
+        ("opt_MultiOptimizer", _multi_optimizer,
+         'MultiOptimizer(Adam, {"d1/.*": SGD(0.1)})'),
+    ]
+    known = set(dir(keras.optimizers))
+    return [Feature(name, mlp, make, data=replica_skewed, summary=summary)
+            for name, make, summary in rows
+            if not name.startswith("opt_") or name[4:] not in OPTIMIZER_CLASS_ROWS
+            or name[4:] in known]
 
 
 FEATURES = _features()

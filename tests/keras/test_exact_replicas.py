@@ -83,23 +83,36 @@ def test_jit_compile_is_refused_before_the_first_step(make):
 
 @pytest.mark.parametrize("shard", [None, "optimizer", "gradients", "parameters"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
-def test_apply_gradients_in_run_sums_over_replicas(shard, graph):
-    """Keras 3.15.1's optimizer_distribute_test.py::test_gradient_accumulation and
-    test_single_step under tfpar: `apply_gradients` in `strategy.run` sums the replicas'
-    gradients, with and without accumulation, also for one gradient tensor made outside
-    `run` (every replica passes that object; TensorFlow's all-reduce returned it unsummed:
-    [[0, 1], [1, 2]] where Keras expects [[-1, 0], [-1, 0]])."""
+def test_apply_gradients_in_run_sums_as_keras_defines_it(shard, graph):
+    """Keras 3.15.1's tensorflow/optimizer_distribute_test.py under tfpar: a gradient made in
+    each replica is summed (test_single_step); one tensor made outside `run`, which every
+    replica passes, is counted once in a plain step (test_ema: one device's step), and
+    summed by accumulation, whose accumulators hold each replica's own gradients
+    (test_gradient_accumulation). Under ZeRO each owner sums what it receives: a shared
+    tensor too, and its accumulators hold the sums."""
     strategy = tfpar.DataParallelStrategy(cpus(2), shard=shard)
-    for accumulation in (3, None):
+    start = [[1.0, 2.0], [3.0, 4.0]]
+    shared = tf.constant([[1.0, 1.0], [2.0, 2.0]])
+    for accumulation, made_in_run in ((3, False), (None, False), (None, True)):
         with strategy.scope():
-            v = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
-            grads = tf.constant([[1.0, 1.0], [2.0, 2.0]])
+            v = keras.Variable(start)
             optimizer = keras.optimizers.SGD(1.0, gradient_accumulation_steps=accumulation)
-        step = lambda: strategy.run(lambda: optimizer.apply_gradients([(grads, v)]))  # noqa: E731
+
+        def replica_step():
+            grads = tf.constant([[1.0, 1.0], [2.0, 2.0]]) if made_in_run else shared
+            optimizer.apply_gradients([(grads, v)])
+
+        step = lambda: strategy.run(replica_step)  # noqa: E731
         step = tf.function(step) if graph else step
-        for _ in range(accumulation or 1):
-            np.testing.assert_array_equal(v.numpy(), [[1.0, 2.0], [3.0, 4.0]])
+        for i in range(accumulation or 1):
+            np.testing.assert_array_equal(v.numpy(), start)
             step()
-        # Accumulated: the sum over 2 replicas of the mean of 3 steps' gradients.
-        np.testing.assert_array_equal(v.numpy(), [[-1.0, 0.0], [-1.0, 0.0]])
+            if accumulation and i < accumulation - 1 and shard is None:
+                np.testing.assert_array_equal(
+                    optimizer._accumulated_gradients[0].numpy(),
+                    (i + 1) * shared.numpy())  # Replica 0's own, as Keras keeps them.
+        summed = [[-1.0, 0.0], [-1.0, 0.0]]  # The sum over 2 replicas of (the mean) g.
+        once = [[0.0, 1.0], [1.0, 2.0]]
+        counted_once = not accumulation and not made_in_run and shard is None
+        np.testing.assert_array_equal(v.numpy(), once if counted_once else summed)
         assert int(optimizer.iterations.numpy()) == 1

@@ -122,11 +122,23 @@ def call_takes_mask(layer):
     return internals.attr(layer, "_call_has_mask_arg")
 
 
+def mask_of(x):
+    """The Keras mask riding on tensor `x` (a layer's output mask), or None."""
+    if not tf.is_tensor(x):
+        return None
+    return internals.symbol("keras.src.backend.common.masking.get_keras_mask")(x)
+
+
+def set_mask(x, mask):
+    """Makes `mask` the Keras mask riding on tensor `x`."""
+    internals.symbol("keras.src.backend.common.masking.set_keras_mask")(x, mask)
+
+
 def keep_mask(source, target):
     """Gives tensor `target` the Keras mask riding on tensor `source`, if it has one."""
-    mask = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(source)
+    mask = mask_of(source)
     if mask is not None:
-        internals.symbol("keras.src.backend.common.masking.set_keras_mask")(target, mask)
+        set_mask(target, mask)
 
 
 def in_symbolic_scope():

@@ -33,10 +33,13 @@ is replaced, only inside a replica context of a tfpar strategy:
   tfpar's weighing of batch parts) would divide it. Here, on those releases, the losses
   an activity regularizer adds are marked as sums (`is_batch_sum`) and added unscaled.
 - *Gradient accumulation.* Keras' optimizer all-reduces inside a `cond`, which
-  TensorFlow refuses (a merge call in control flow). Here gradients are all-reduced
-  every step before the `cond`, and the accumulate-or-apply choice runs in
-  cross-replica context. Every replica's gradients are made its own tensors first, so
-  the sum counts a gradient tensor that all replicas share once per replica.
+  TensorFlow refuses (a merge call in control flow). Here each replica accumulates its
+  own gradients, the sum over replicas of accumulator plus gradient is all-reduced every
+  step before the `cond`, and the accumulate-or-apply choice runs in cross-replica
+  context.
+- *Clipping and loss scaling.* Keras clips each replica's gradients before their sum, and
+  its LossScaleOptimizer reads replica 0's finiteness: `gradient_clipping` clips the sum,
+  and skips a step every replica when any overflows.
 """
 
 import contextlib
@@ -48,6 +51,7 @@ import tensorflow as tf
 
 from tfpar import errors as tfpar_errors
 from tfpar.contract import hooks_of
+from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
 from tfpar.keras import steps
 
@@ -436,16 +440,28 @@ def _own_tensors(grads, where_made=False):
 
 
 def _accumulation_outside_cond(keras_apply):
-    """TFOptimizer._backend_apply_gradients under replicas: gradients summed over replicas
-    (each its own tensor, `_own_tensors`), and gradient accumulation outside the `cond`."""
+    """TFOptimizer._backend_apply_gradients under replicas: gradient accumulation outside
+    the `cond`, clipping of the global gradient (`gradient_clipping`), and under ZeRO or
+    replicas spanning devices each replica's gradients its own tensors (`_own_tensors`).
+
+    A gradient tensor made outside `strategy.run`, which every replica passes, is counted
+    once in a plain step, as Keras defines it under a mirrored strategy (its
+    `optimizer_distribute_test.py::test_ema`: one device's step), and summed over the
+    replicas by accumulation (`test_gradient_accumulation`: Keras accumulates per replica)
+    and under ZeRO (each owner's sum)."""
 
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables):
         context = _replica_context("_tfpar_mirrored", min_replicas=1)
-        if context is not None and context.num_replicas_in_sync > 1:
-            grads = _own_tensors(
-                grads, hooks_of(context.strategy)._tfpar_replica_spans_devices)
+        hooks = hooks_of(context.strategy if context is not None else None)
+        if context is not None and context.num_replicas_in_sync > 1 and (
+                hooks._tfpar_shard_stage or hooks._tfpar_replica_spans_devices):
+            grads = _own_tensors(grads, hooks._tfpar_replica_spans_devices)
         steps = self.gradient_accumulation_steps
+        if (not steps or self.use_ema) and gradient_clipping.needs_global_clipping(
+                self, context, trainable_variables):
+            return gradient_clipping.apply_clipped_once(self, keras_apply, context, grads,
+                                                        trainable_variables)
         if context is None or not steps or self.use_ema:
             return keras_apply(self, grads, trainable_variables)
         index = internals.attr(self, "_get_variable_index")
@@ -456,10 +472,15 @@ def _accumulation_outside_cond(keras_apply):
             from tfpar.keras import zero_optimizers as sharded
             return sharded.accumulate_sharded(self, context.strategy, grads,
                                               trainable_variables, accumulators)
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
-        sums = [g + tf.convert_to_tensor(a) for g, a in zip(reduced, accumulators)]
+        # Each replica accumulates its own gradients (as Keras does: its accumulators hold
+        # a replica's, not the sum); the sum over replicas of accumulator plus gradient is
+        # taken every step, before the cond, where TensorFlow allows it.
+        sums = [g + tf.convert_to_tensor(a) for g, a in zip(grads, accumulators)]
+        totals = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
         # Identical on every replica, so clipping here is clipping once.
-        updates = internals.attr(self, "_clip_gradients")([s / steps for s in sums])
+        updates = gradient_clipping.clip(
+            self, [t / steps for t in totals],
+            gradient_clipping.clip_groups(context.strategy, trainable_variables))
         variables = [v.value for v in trainable_variables]
 
         def in_cross_replica_context(strategy, sums, updates):
@@ -501,6 +522,8 @@ def _reduced_where_they_are(keras_all_reduce):
 
     @functools.wraps(keras_all_reduce)
     def all_reduce_sum(self, grads_and_vars):
+        if gradient_clipping.already_summed():
+            return list(grads_and_vars)  # Summed (and clipped) before Keras' update.
         context = _replica_context("_tfpar_replica_spans_devices", min_replicas=1)
         if context is None or not tf.inside_function():
             return keras_all_reduce(self, grads_and_vars)
@@ -700,4 +723,4 @@ def patches():
         (optimizer, "_backend_apply_gradients", _accumulation_outside_cond),
         (optimizer, "_distributed_tf_update_step", _updates_in_turn),
         (optimizer, "_all_reduce_sum_gradients", _reduced_where_they_are),
-    ]
+    ] + gradient_clipping.patches()

@@ -195,6 +195,15 @@ def bias_and_activation(layer, y, bias=None):
     return layer.activation(y) if layer.activation is not None else y
 
 
+def with_output_mask(layer, inputs, outputs, mask):
+    """`outputs` with the mask Keras' `Layer.__call__` gives the output of `layer` called on
+    an input carrying `mask` (a layer that supports masking passes its `compute_mask` on;
+    one that does not drops it, as Keras does)."""
+    if mask is not None and layer.supports_masking:
+        internals.attr(layer, "_set_mask_metadata")(inputs, outputs, mask)
+    return outputs
+
+
 def refusal(layer):
     """Why a layer's call cannot be split (what Keras' `__call__` or `call` would do that a
     split call does not), or None."""

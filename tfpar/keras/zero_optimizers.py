@@ -14,7 +14,52 @@ import threading
 import tensorflow as tf
 
 from tfpar.contract import hooks_of
+from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
+
+
+class OwnerStep:
+    """An owner's step on the variables it owns, as Keras' step would be on one device:
+    the gradient clipped as a whole (`clip`: Keras' clipping, the global norm summed over
+    every owner's share by `sum_over_owners`), the variable decayed (AdamW's
+    `weight_decay`, which Keras applies to every replica's copy through the strategy: under
+    stage 3 the owner's variable has one copy, which TensorFlow's mirrored update refuses),
+    then updated. What the sharded update (`tfpar.distribute.zero.zero_sharding`) calls."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.clips = gradient_clipping.clips(optimizer)
+
+    def clip(self, grads, sum_over_owners):
+        return gradient_clipping.clip(self.optimizer, grads, sum_over_holders=sum_over_owners)
+
+    def update_step(self, grad, variable, learning_rate):
+        _decay(self.optimizer, variable)
+        self.optimizer.update_step(grad, variable, learning_rate)
+
+
+def _decay(optimizer, variable):
+    """Keras' weight decay of `variable` (TFOptimizer._apply_weight_decay), here."""
+    if optimizer.weight_decay is None or not internals.attr(
+            optimizer, "_use_weight_decay")(variable):
+        return
+    learning_rate = tf.cast(optimizer.learning_rate, variable.dtype)
+    decay = tf.cast(optimizer.weight_decay, variable.dtype)
+    variable.assign_sub(variable * decay * learning_rate)
+
+
+def _decayed_by_owners(keras_apply_weight_decay):
+    """TFOptimizer._apply_weight_decay under a sharding strategy: each owner decays what it
+    owns in its step (`OwnerStep`)."""
+
+    @functools.wraps(keras_apply_weight_decay)
+    def apply_weight_decay(self, variables):
+        stage, _ = _shard_stage(self)
+        if stage and not tf.distribute.in_cross_replica_context():
+            return None
+        return keras_apply_weight_decay(self, variables)
+
+    return apply_weight_decay
 
 
 def _shard_stage(optimizer):
@@ -32,9 +77,8 @@ def _refusal(optimizer, strategy):
     what = None
     if optimizer.use_ema:
         what = "use_ema=True"
-    elif optimizer.gradient_accumulation_steps and (optimizer.global_clipnorm
-                                                     or optimizer.weight_decay):
-        what = "gradient_accumulation_steps with global_clipnorm or weight_decay"
+    elif optimizer.gradient_accumulation_steps and optimizer.global_clipnorm:
+        what = "gradient_accumulation_steps with global_clipnorm"
     if what is None:
         return None
     return (f"{_name(strategy)}(shard={shard!r}) cannot shard {type(optimizer).__name__} "
@@ -55,7 +99,7 @@ def accumulate_sharded(optimizer, strategy, grads, trainable_variables, accumula
         internals.attr(optimizer, "_clip_gradients"))
     variables = [internals.attr(v, "_value") for v in trainable_variables]
     _check_state_follows_variables(optimizer, strategy)
-    return strategy._tfpar_sharded_update(optimizer, list(grads), variables,
+    return strategy._tfpar_sharded_update(OwnerStep(optimizer), list(grads), variables,
                                           optimizer.learning_rate, accumulation)
 
 
@@ -91,6 +135,18 @@ def _check_state_follows_variables(optimizer, strategy):
             f"or shard=None.")
 
 
+def _check_clipping(optimizer, strategy, trainable_variables):
+    """Refuses `clipnorm` over a split variable's shards owned apart (tensor parallelism
+    with ZeRO): each owner would clip its shard by the shard's own norm."""
+    if optimizer.clipnorm and gradient_clipping.clip_groups(strategy, trainable_variables):
+        raise ValueError(
+            f"{_name(strategy)}(shard={strategy.shard!r}) with tensor parallelism cannot "
+            f"apply {type(optimizer).__name__}(clipnorm={optimizer.clipnorm}) yet: a split "
+            f"variable's shards have owners of their own, and clipnorm needs the whole "
+            f"variable's norm. Use global_clipnorm (the norm over every owner's share), or "
+            f"drop shard.")
+
+
 def _sharded_update_step(keras_update_step):
     """TFOptimizer._backend_update_step under a sharding strategy, in replica context."""
 
@@ -100,9 +156,11 @@ def _sharded_update_step(keras_update_step):
         if not stage or tf.distribute.in_cross_replica_context():
             return keras_update_step(self, grads, trainable_variables, learning_rate)
         _check_state_follows_variables(self, strategy)
+        _check_clipping(self, strategy, trainable_variables)
         variables = [internals.attr(v, "_value") if hasattr(v, "_value") else v
                      for v in trainable_variables]
-        return strategy._tfpar_sharded_update(self, list(grads), variables, learning_rate)
+        return strategy._tfpar_sharded_update(OwnerStep(self), list(grads), variables,
+                                              learning_rate)
 
     return update_step
 
@@ -293,4 +351,5 @@ def patches():
             (base, "build", _built_for_shards),
             (base, "save_own_variables", _saved_whole),
             (base, "load_own_variables", _loaded_where_owned),
-            (optimizer, "_backend_update_step", _sharded_update_step)]
+            (optimizer, "_backend_update_step", _sharded_update_step),
+            (optimizer, "_apply_weight_decay", _decayed_by_owners)]

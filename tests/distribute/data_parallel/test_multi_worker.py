@@ -311,7 +311,7 @@ def test_across_workers_the_strategy_walks_like_stock_multi_worker_mirrored(clus
 SHARDED_WORKER = os.path.join(HERE, "workers", "sharded.py")
 
 
-OPTIMIZERS = ("sgd_momentum", "adam")
+OPTIMIZERS = ("sgd_momentum", "adam", "adamw_clip")
 
 
 def _resumes_under_other_strategies(path, shard, optimizer, one_device):

@@ -152,10 +152,20 @@ def split_batch(structure, num_micro_batches, sizes=None):
 
 
 def concat_batch(parts):
-    """Joins micro-batch structures back into one batch (inverse of `split_batch`)."""
+    """Joins micro-batch structures back into one batch (inverse of `split_batch`), the
+    micro-batches' Keras masks joined too (a masked output keeps its mask for the loss and
+    metrics that evaluate computes from it)."""
     if len(parts) == 1:
         return parts[0]
-    return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=0), *parts)
+
+    def join(*xs):
+        joined = tf.concat(xs, axis=0)
+        masks = [models.mask_of(x) for x in xs]
+        if all(m is not None for m in masks):
+            models.set_mask(joined, tf.concat(masks, axis=0))
+        return joined
+
+    return tf.nest.map_structure(join, *parts)
 
 
 def _accumulate(total, grad):

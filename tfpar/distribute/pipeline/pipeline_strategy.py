@@ -264,7 +264,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         tp_grid = [resolved[i:i + tensor_parallel]
                    for i in range(0, len(resolved), tensor_parallel)]
         firsts = [row[0] for row in tp_grid]
-        num_stages = _stage_count(len(firsts), num_replicas, num_stages)
+        num_stages = _stage_count(len(firsts), num_replicas, num_stages, tensor_parallel)
         if layout_map is not None:
             tensor_parallel_lib.check_layout_map(layout_map, tensor_parallel, num_stages,
                                                  num_replicas)
@@ -551,6 +551,16 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             self._tfpar_first_use(variable)  # (Nothing unless it is pending.)
         return [s for v in variables for s in self._tp_substitutes.get(id(v), (v,))]
 
+    def _tfpar_clip_groups(self, variables):
+        # Asked by the Keras seam when an optimizer clips: a split variable's shards are
+        # clipped by their joint norm, the variable's (clipnorm).
+        if self._tensor_parallel == 1:
+            return None
+        position = {id(v): i for i, v in enumerate(variables)}
+        groups = [[position[id(s)] for s in shards if id(s) in position]
+                  for shards in self._tp_substitutes.values()]
+        return [g for g in groups if len(g) > 1] or None
+
     def _time_layer(self, layer, first):
         """Seconds of `layer`'s forward and backward on one micro-batch (with the input
         gradient unless it is the model's first layer), timed on a CPU the strategy does
@@ -670,23 +680,30 @@ def _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages):
     return schedule
 
 
-def _stage_count(num_devices, num_replicas, num_stages):
+def _stage_count(num_groups, num_replicas, num_stages, tensor_parallel=1):
+    """The number of stages of `num_groups` groups of `tensor_parallel` devices (one group
+    per stage of each replica); errors count devices, as the user passed them."""
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise DeviceError(f"num_replicas must be an integer >= 1. Received: {num_replicas!r}")
+    num_devices = num_groups * tensor_parallel
+    times_t = f" x {tensor_parallel}" if tensor_parallel > 1 else ""
     if num_stages is None:
-        if num_devices % num_replicas:
+        if num_groups % num_replicas:
             raise DeviceError(
                 f"{num_devices} devices do not split into {num_replicas} pipeline replicas of "
-                f"equal length: num_replicas x num_stages must equal the number of devices. "
-                f"Use a multiple of {num_replicas} devices, or another num_replicas.")
-        return num_devices // num_replicas
+                f"equal length: num_replicas x num_stages{' x tensor_parallel' * bool(times_t)}"
+                f" must equal the number of devices. Use a multiple of "
+                f"{num_replicas * tensor_parallel} devices, or another num_replicas.")
+        return num_groups // num_replicas
     if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
         raise DeviceError(f"num_stages must be an integer >= 1 or None. Received: {num_stages!r}")
-    if num_stages * num_replicas != num_devices:
+    if num_stages * num_replicas != num_groups:
+        needed = num_replicas * num_stages * tensor_parallel
         raise DeviceError(
-            f"num_replicas x num_stages ({num_replicas} x {num_stages} = "
-            f"{num_replicas * num_stages}) must equal the number of devices ({num_devices}): "
-            f"each pipeline replica runs one stage per device. Pass {num_replicas * num_stages} "
+            f"num_replicas x num_stages{' x tensor_parallel' * bool(times_t)} "
+            f"({num_replicas} x {num_stages}{times_t} = {needed}) must equal the number of "
+            f"devices ({num_devices}): each pipeline replica runs one stage per "
+            f"{'group of tensor_parallel devices' if times_t else 'device'}. Pass {needed} "
             f"devices, or num_stages=None.")
     return num_stages
 

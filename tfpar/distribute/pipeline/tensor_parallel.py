@@ -38,6 +38,7 @@ import tensorflow as tf
 from tfpar import devices as devices_lib
 from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import PlacementError
+from tfpar.keras import models
 from tfpar.keras import split_variables as keras_tp
 from tfpar.keras import variable_birth
 from tfpar.plan.communication import select_communication
@@ -68,11 +69,17 @@ class SplitLayer:
 
 
 class Split:
-    """An activation left split along `axis`, one slice per device of the stage."""
+    """An activation left split along `axis`, one slice per device of the stage, and the
+    Keras mask the whole activation would carry."""
 
-    def __init__(self, parts, axis):
+    def __init__(self, parts, axis, mask=None):
         self.parts = list(parts)
         self.axis = axis
+        self.mask = mask
+
+
+def _mask_of(x):
+    return x.mask if isinstance(x, Split) else models.mask_of(x)
 
 
 def check_layout_map(layout_map, tensor_parallel, num_stages, num_replicas):
@@ -165,7 +172,23 @@ def plan_layers(program, layout_map, tensor_parallel):
                     f"layer must be called once. Drop its layout, or give each call a layer "
                     f"of its own.")
             planned[id(layer)] = split
+    _check_every_key_matches(layout_map, [v.path for stage in program.stages
+                                          for layer in stage.layers for v in layer.weights])
     return planned
+
+
+def _check_every_key_matches(layout_map, paths):
+    """Refuses layout keys that match no variable path: a misspelt key would leave its
+    layer whole, and the stage's other devices idle, without a word."""
+    unmatched = [key for key in layout_map
+                 if not any(key == path or re.fullmatch(key, path) for path in paths)]
+    if unmatched:
+        shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+        raise PlacementError(
+            f"The layout map's key(s) {', '.join(repr(k) for k in unmatched)} match no "
+            f"variable of the model. A key is a regular expression matched against a whole "
+            f"variable path (as Keras' LayoutMap does), e.g. '.*d1/kernel'; the model's "
+            f"paths are {shown}. Fix the key(s), or drop them.")
 
 
 def _plan_within(composite, layout_map, t):
@@ -347,12 +370,16 @@ def column_call(split, shards, stage_devices, keep_split):
         del training
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
+        mask = _mask_of(x)
         if isinstance(x, Split):
             x = _gathered(x, devices)
         copies = copy_to_shards(x, devices, communication)
         parts = Split([placed_call(functools.partial(keras_tp.column_shard, layer, k, b), d, c)
                        for k, b, d, c in zip(kernels, biases, devices, copies)], split.out_axis)
-        return parts if keep_split else _gathered(parts, devices)
+        if keep_split:
+            parts.mask = mask if layer.supports_masking else None
+            return parts
+        return keras_tp.with_output_mask(layer, x, _gathered(parts, devices), mask)
 
     return call
 
@@ -365,6 +392,7 @@ def row_call(split, shards, stage_devices):
         del training
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
+        mask = _mask_of(x)
         if isinstance(x, Split) and x.axis == split.in_axis:
             slices = x.parts
         else:
@@ -378,7 +406,8 @@ def row_call(split, shards, stage_devices):
                     for k, d, s in zip(kernels, devices, slices)]
         y = sum_of_shards(partials, devices, communication)
         with tf.device(devices[0]):
-            return keras_tp.bias_and_activation(layer, y)
+            y = keras_tp.bias_and_activation(layer, y)
+        return keras_tp.with_output_mask(layer, x, y, mask)
 
     return call
 

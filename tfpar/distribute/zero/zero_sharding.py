@@ -448,6 +448,8 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                    bucket_bytes, accumulation=None):
     """The optimizer step of one replica under ZeRO `stage` (1-3), in replica context.
 
+    `optimizer` is the owner's step of the Keras seam (`zero_optimizers.OwnerStep`:
+    `update_step`, and `clip` of the owned gradients when it `clips`);
     `variables` are the strategy's variables (tf.Variables, not keras.Variables),
     `grads` this replica's gradients for them (not yet reduced), `collectives` a
     `ShardCollectives`; gradients travel in buckets of about `bucket_bytes`
@@ -457,14 +459,25 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     ctx = tf.distribute.get_replica_context()
     me = replica_in_sync()
     owner = [strategy._tfpar_shard_owners.owner_of(v) for v in variables]
+    # The global gradient is clipped once every owner's is summed: its norm is the sum of
+    # the owners' squared norms. (Accumulation clips its own means.)
+    clipping = optimizer.clips and accumulation is None
+
+    def clipped(owned):
+        grads_owned = optimizer.clip(
+            [g for _, g, _ in owned],
+            lambda x: ctx.all_reduce(tf.distribute.ReduceOp.SUM, x))
+        return [(i, g, v) for (i, _, v), g in zip(owned, grads_owned)]
+
     if strategy._tfpar_gathers_parameters:
         # Each read's gradient was already summed to its owner (`read_parameter`).
         mine = [i for i in range(len(variables)) if owner[i] == me]
         _runs([g for i, g in enumerate(grads) if owner[i] != me and g is not None])
+        owned = [(i, grads[i], variables[i]) for i in mine]
+        owned = clipped(owned) if clipping else owned
         _update.running = True
         try:
-            _apply_owned(optimizer, [(i, grads[i], variables[i]) for i in mine],
-                         learning_rate, accumulation, steps.InTurn())
+            _apply_owned(optimizer, owned, learning_rate, accumulation, steps.InTurn())
         finally:
             _update.running = False
         strategy._tfpar_step_shapes.gradient_bytes = sum(num_bytes(variables[i]) for i in mine)
@@ -484,9 +497,19 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     updates = steps.InTurn() if across_workers else steps.at_once
     broadcasts = steps.InTurn()
     transfers = []  # (variable index, its gradient's transfer), the last layers' first.
+
+    def apply_and_share(owned, groups, dtype):
+        _apply_owned(optimizer, owned, learning_rate, accumulation, updates)
+        if stage < 3 and across_workers:
+            _broadcast_updates(ctx, collectives, local, groups, ordinals, grads, broadcasts)
+        elif stage < 3:
+            _gather_updates(ctx, collectives, local, groups, dtype)
+
+    pending = []  # Clipping: each bucket's (device, scope, owned, groups, dtype), summed.
     for devices, index, prefix in _update_groups(strategy._tfpar_shard_owners, variables):
         # A pipeline stage's variables updated on this replica's device of the stage.
-        with tf.device(devices[me]) if devices else contextlib.nullcontext():
+        device = devices[me] if devices else None
+        with tf.device(device) if device else contextlib.nullcontext():
             # Each bucket is reduced, applied and gathered on its own, so that its
             # collectives wait only for its own gradients (the last layers' come first).
             for number, bucket in enumerate(sharding.buckets(
@@ -499,14 +522,20 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                                                          variables, groups, ordinals)
                     transfers += [(i, sent[i]) for i in members if i in sent]
                     gradient_bytes += kept
-                    _apply_owned(optimizer, [(i, reduced[i], local[i]) for i in groups[me]],
-                                 learning_rate, accumulation, updates)
-                    if stage < 3 and across_workers:
-                        _broadcast_updates(ctx, collectives, local, groups, ordinals, grads,
-                                           broadcasts)
-                    elif stage < 3:
-                        _gather_updates(ctx, collectives, local, groups,
-                                        variables[index[0]].dtype)
+                    owned = [(i, reduced[i], local[i]) for i in groups[me]]
+                    dtype = variables[index[0]].dtype
+                    if clipping:
+                        pending.append((device, f"{prefix}bucket_{number}_update", owned,
+                                        groups, dtype))
+                    else:
+                        apply_and_share(owned, groups, dtype)
+    if pending:
+        every = clipped([item for _, _, owned, _, _ in pending for item in owned])
+        for device, scope, owned, groups, dtype in pending:
+            mine, every = every[:len(owned)], every[len(owned):]
+            with tf.device(device) if device else contextlib.nullcontext(), \
+                    tf.name_scope(scope):
+                apply_and_share(mine, groups, dtype)
     _pace_gradients(grads, [(i, op, num_bytes(variables[i])) for i, op in transfers],
                     bucket_bytes)
     strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
