@@ -221,12 +221,21 @@ def _expected():
     cells["custom_loop_clip", harness.PIPE_TP] = cells["custom_loop", harness.PIPE_TP]
     for f in ("opt_use_ema", "opt_ema_momentum", "opt_ema_overwrite_frequency"):
         cells[f, "zero3"] = SHARDED_EMA
-    return cells
+        cells[f, harness.PIPE_TP] = "error:ValueError:use_ema=True)'s averages of split"
+    for f in ("opt_Lamb", "opt_Muon", "opt_Adafactor"):
+        cells[f, harness.PIPE_TP] = "error:ValueError:its update looks at a whole variable"
+    cells["opt_MultiOptimizer", harness.PIPE_TP] = "error:ValueError:with MultiOptimizer yet"
+    cells["opt_Adafactor", "zero3"] = "error:ValueError:cannot shard Adafactor"
+    cells["opt_Muon", "zero3"] = "error:ValueError:cannot shard Muon"
+    for s in OPTIMIZER_COLUMNS:
+        cells["opt_ScheduleFreeAdamW", s] = "error:ValueError:far from one device's weights"
+    return {cell: target for cell, target in cells.items()
+            if cell[0] in harness.FEATURES}
 
 
 EXPECTED = _expected()
 
-ISSUE = ("issue 11", "issue 15")  # What a known gap's reason starts with.
+ISSUE = ("issue 11", "issue 15", "issue 35")  # What a known gap's reason starts with.
 # Cell -> "issue 11: <what is wrong, measured>". Empty at 48c2cdd: the gaps this suite found
 # on earlier revisions (DataParallelStrategy: add_loss / activity regularizer counted per
 # replica, uneven splits; PipelineStrategy with replicas: evaluate with mean_with_sample_weight,
@@ -235,7 +244,11 @@ ISSUE = ("issue 11", "issue 15")  # What a known gap's reason starts with.
 # Session 11 closed the mesh's three (AUC's tf.reverse, which DTensor cannot lay out, now a
 # gather; Dropout masks, drawn per device by DTensor, now drawn whole; mixed_bfloat16, a
 # documented tolerance).
-KNOWN_GAPS = {}
+KNOWN_GAPS = {
+    ("opt_Nadam", "zero3"): "issue 35: Nadam under ZeRO-3 ends 0.012 off one device's "
+                            "weights after one epoch (its step-wide `_u_product`, updated in "
+                            "its own _backend_update_step; not traced yet)",
+}
 
 
 def cell_status(feature, sid):

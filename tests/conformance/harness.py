@@ -642,8 +642,8 @@ def _optimizer(name, *args, **kwargs):
 
 
 def _multi_optimizer():
-    return dict(optimizer=keras.optimizers.MultiOptimizer(
-        adam(), {"d1/.*": keras.optimizers.SGD(0.1)}), loss=scce())
+    return dict(optimizer=keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+        adam(), {".*d1/.*": keras.optimizers.SGD(0.1)})), loss=scce())
 
 
 def _optimizer_features():

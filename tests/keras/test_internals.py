@@ -60,9 +60,11 @@ def _objects():
         mirrored = tf.Variable(1.0)
     optimizer = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
     optimizer.build(functional.trainable_variables)
+    averaging = keras.optimizers.SGD(0.1, use_ema=True)
+    averaging.build(functional.trainable_variables)
     with tf.Graph().as_default():
         graph_op = tf.constant(0.0).op
-    model_objects = [optimizer, functional, functional.layers[1], functional._compile_loss, sequential,
+    model_objects = [optimizer, averaging, functional, functional.layers[1], functional._compile_loss, sequential,
                      hidden, functional.weights[0], functional.weights[0]._value, mirrored,
                      mirrored._values[0].handle, strategy.extended,
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,

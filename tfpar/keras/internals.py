@@ -136,6 +136,7 @@ ATTRIBUTES = {
     "_all_reduce_sum_gradients": "TFOptimizer",
     "_distribution_strategy": "TFOptimizer (the strategy it was made under)",
     "_use_weight_decay": "keras.optimizers.Optimizer",
+    "_model_variables_moving_average": "keras.optimizers.Optimizer (use_ema's averages)",
     "_loss_tracker": "keras.Model (compiled)",
     "_losses": "keras.layers.Layer (losses added by its last call)",
     "_nodes_by_depth": "keras Functional",
@@ -247,6 +248,8 @@ WRAPS = {
     ("TFOptimizer", "_backend_apply_gradients"):
         "gradient accumulation outside a cond; clipping after the sum over replicas",
     ("BaseOptimizer", "_clip_gradients"): "deferred: tfpar clips the global gradient",
+    ("TFOptimizer", "_overwrite_model_variables_with_average_value"):
+        "EMA overwrite in replica context (Keras runs it in a cond)",
     ("TFOptimizer", "_apply_weight_decay"): "ZeRO: each owner decays the variables it owns",
     ("LossScaleOptimizer", "_tf_apply"): "a step skipped when any replica overflows",
     ("TFOptimizer", "_distributed_tf_update_step"): "updates in turn; sharded ps updates",
