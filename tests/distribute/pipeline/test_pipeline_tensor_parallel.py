@@ -319,6 +319,14 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
         tfpar.PipelineStrategy(cpus(4), tensor_parallel=2)
     with pytest.raises(DeviceError, match="tensor_parallel=2"):
         tfpar.PipelineStrategy(cpus(3), tensor_parallel=2, layout_map=layout_map)
+    # The devices counted as passed, R x K x T of them (6 devices in 3 groups of T=2; this
+    # process has 4 CPUs).
+    from tfpar.distribute.pipeline.pipeline_strategy import _stage_count
+    with pytest.raises(DeviceError, match=r"\(2 x 2 x 2 = 8\) must equal the number of "
+                                          r"devices \(6\).*Pass 8 devices"):
+        _stage_count(3, num_replicas=2, num_stages=2, tensor_parallel=2)
+    with pytest.raises(DeviceError, match=r"6 devices do not split into 2 .*multiple of 4"):
+        _stage_count(3, num_replicas=2, num_stages=None, tensor_parallel=2)
     mesh = keras.distribution.DeviceMesh((2, 2), ("pipe", "model"), cpus(4))
     with pytest.raises(ValueError, match="'model' of size 2.*tensor_parallel=4"):
         tfpar.PipelineStrategy(cpus(4), num_stages=1, tensor_parallel=4, layout_map=(
@@ -421,6 +429,10 @@ def _layout(**entries):
      r"over mesh axes \['batch'\]"),
     (lambda: [keras.layers.Dense(4, name="c", kernel_constraint="non_neg")],
      {".*c_S_kernel": (None, "model")}, r"'c' cannot be split.*kernel_constraint"),
+    # A misspelt key would leave its layer whole and a device idle, without a word.
+    (lambda: [keras.layers.Dense(4, name="d1")],
+     {".*d1_S_kernel": (None, "model"), ".*dl_S_kernel": (None, "model")},
+     r"key\(s\) '\.\*dl/kernel' match no variable.*paths are sequential.*/d1/kernel"),
 ])
 def test_layouts_it_cannot_run_are_refused_before_the_first_step(layers, layout, message):
     with pytest.raises(PlacementError, match=message):
