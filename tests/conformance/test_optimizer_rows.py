@@ -58,4 +58,4 @@ def test_every_row_is_a_feature_with_cells():
                 continue  # A class this Keras release does not have.
             assert feature in harness.FEATURES, (what, name, feature)
             columns = [c for (f, c) in expected.EXPECTED if f == feature]
-            assert len(columns) >= len(expected.OPTIMIZER_COLUMNS), (what, name, columns)
+            assert "zero3" in columns or "zero2" in columns, (what, name, columns)
