@@ -8,8 +8,9 @@ whole value (the shards concatenated), a write (`load_weights`, `set_weights`, a
 checkpoint) divides the value over the shards. Training reads and updates the shards
 directly: the optimizer is built for them.
 
-What Keras does in a layer's `__call__` around `call` (input casting, masks, activity
-regularizers) is not done by a split call: `refusal` names the layers that need it.
+What Keras does in a layer's `__call__` around `call` is not done by a split call, but for
+the output's mask (`with_output_mask`); `refusal` names the layers that need the rest (input
+casting, regularizers, constraints).
 """
 
 import contextlib
