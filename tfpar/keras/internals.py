@@ -137,6 +137,9 @@ ATTRIBUTES = {
     "_distribution_strategy": "TFOptimizer (the strategy it was made under)",
     "_use_weight_decay": "keras.optimizers.Optimizer",
     "_model_variables_moving_average": "keras.optimizers.Optimizer (use_ema's averages)",
+    "_trainable_variables": "keras.optimizers.Optimizer (the variables it was built for)",
+    "_update_model_variables_moving_average": "keras.optimizers.Optimizer (use_ema)",
+    "_overwrite_model_variables_with_average_value": "keras.optimizers.Optimizer (use_ema)",
     "_loss_tracker": "keras.Model (compiled)",
     "_losses": "keras.layers.Layer (losses added by its last call)",
     "_nodes_by_depth": "keras Functional",
@@ -244,6 +247,10 @@ WRAPS = {
     ("BaseOptimizer", "build"): "optimizer state built for its shards",
     ("BaseOptimizer", "save_own_variables"): "sharded optimizer state saved whole",
     ("BaseOptimizer", "load_own_variables"): "sharded optimizer state loaded where owned",
+    ("BaseOptimizer", "_update_model_variables_moving_average"):
+        "ZeRO: each owner updates the moving averages (use_ema) it owns",
+    ("BaseOptimizer", "finalize_variable_values"):
+        "ZeRO: weights take their averages (use_ema) from their owners",
     ("TFOptimizer", "_backend_update_step"): "ZeRO: each replica updates the shards it owns",
     ("TFOptimizer", "_backend_apply_gradients"):
         "gradient accumulation outside a cond; clipping after the sum over replicas",

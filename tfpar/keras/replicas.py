@@ -55,6 +55,7 @@ from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import steps
+from tfpar.keras import zero_optimizers
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _local = threading.local()
@@ -459,57 +460,84 @@ def _accumulation_outside_cond(keras_apply):
                 hooks._tfpar_shard_stage or hooks._tfpar_replica_spans_devices):
             grads = _own_tensors(grads, hooks._tfpar_replica_spans_devices)
         steps = self.gradient_accumulation_steps
-        if (not steps or self.use_ema) and gradient_clipping.needs_global_clipping(
+        if not steps and gradient_clipping.needs_global_clipping(
                 self, context, trainable_variables):
             return gradient_clipping.apply_clipped_once(self, keras_apply, context, grads,
                                                         trainable_variables)
-        if context is None or not steps or self.use_ema:
+        if context is None or not steps:
             return keras_apply(self, grads, trainable_variables)
-        index = internals.attr(self, "_get_variable_index")
-        accumulators = [internals.attr(self, "_accumulated_gradients")[index(v)]
-                        for v in trainable_variables]
-        if hooks_of(context.strategy)._tfpar_shard_stage:
-            # Sharded state: each owner accumulates its own reduced gradients.
-            from tfpar.keras import zero_optimizers as sharded
-            return sharded.accumulate_sharded(self, context.strategy, grads,
-                                              trainable_variables, accumulators)
-        # Each replica accumulates its own gradients (as Keras does: its accumulators hold
-        # a replica's, not the sum); the sum over replicas of accumulator plus gradient is
-        # taken every step, before the cond, where TensorFlow allows it.
-        sums = [g + tf.convert_to_tensor(a) for g, a in zip(grads, accumulators)]
-        totals = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-        # Identical on every replica, so clipping here is clipping once.
-        updates = gradient_clipping.clip(
-            self, [t / steps for t in totals],
-            gradient_clipping.clip_groups(context.strategy, trainable_variables))
-        variables = [v.value for v in trainable_variables]
-
-        def in_cross_replica_context(strategy, sums, updates):
-            extended = strategy.extended
-            iterations = internals.attr(self, "_iterations")
-            is_update_step = (tf.convert_to_tensor(iterations) + 1) % steps == 0
-
-            def assign(variable, value):
-                extended.update(variable, lambda v, t: v.assign(t), args=(value,), group=False)
-
-            def update():
-                _apply_weight_decay(self, strategy, variables)
-                internals.attr(self, "_distributed_tf_update_step")(
-                    strategy, list(zip(updates, variables)), self.learning_rate)
-                for accumulator in accumulators:
-                    assign(accumulator.value, tf.zeros(accumulator.shape, accumulator.dtype))
-                return tf.constant(True)
-
-            def accumulate():
-                for accumulator, value in zip(accumulators, sums):
-                    assign(accumulator.value, value)
-                return tf.constant(False)
-
-            return tf.cond(is_update_step, update, accumulate)
-
-        context.merge_call(in_cross_replica_context, args=(sums, updates))
+        _accumulate(self, context, grads, trainable_variables)
+        _moving_averages(self)
 
     return apply
+
+
+def _moving_averages(optimizer):
+    """The end of Keras' `_backend_apply_gradients` (`use_ema`), after an accumulation step
+    that tfpar ran in its place: the averages follow the weights every step, and overwrite
+    them every `ema_overwrite_frequency` steps."""
+    if not optimizer.use_ema:
+        return
+    variables = internals.attr(optimizer, "_trainable_variables")
+    internals.attr(optimizer, "_update_model_variables_moving_average")(variables)
+    if optimizer.ema_overwrite_frequency:
+        overwrite = internals.attr(optimizer, "_overwrite_model_variables_with_average_value")
+
+        def overwritten():
+            overwrite(variables)
+            return tf.constant(True)
+
+        tf.cond((tf.convert_to_tensor(optimizer.iterations) + 1)
+                % optimizer.ema_overwrite_frequency == 0,
+                overwritten, lambda: tf.constant(False))
+
+
+def _accumulate(self, context, grads, trainable_variables):
+    """Gradient accumulation in replica `context`, outside Keras' `cond` (see
+    `_accumulation_outside_cond`)."""
+    steps = self.gradient_accumulation_steps
+    index = internals.attr(self, "_get_variable_index")
+    accumulators = [internals.attr(self, "_accumulated_gradients")[index(v)]
+                    for v in trainable_variables]
+    if hooks_of(context.strategy)._tfpar_shard_stage:
+        # Sharded state: each owner accumulates its own reduced gradients.
+        return zero_optimizers.accumulate_sharded(self, context.strategy, grads,
+                                                  trainable_variables, accumulators)
+    # Each replica accumulates its own gradients (as Keras does: its accumulators hold
+    # a replica's, not the sum); the sum over replicas of accumulator plus gradient is
+    # taken every step, before the cond, where TensorFlow allows it.
+    sums = [g + tf.convert_to_tensor(a) for g, a in zip(grads, accumulators)]
+    totals = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+    # Identical on every replica, so clipping here is clipping once.
+    updates = gradient_clipping.clip(
+        self, [t / steps for t in totals],
+        gradient_clipping.clip_groups(context.strategy, trainable_variables))
+    variables = [v.value for v in trainable_variables]
+
+    def in_cross_replica_context(strategy, sums, updates):
+        extended = strategy.extended
+        iterations = internals.attr(self, "_iterations")
+        is_update_step = (tf.convert_to_tensor(iterations) + 1) % steps == 0
+
+        def assign(variable, value):
+            extended.update(variable, lambda v, t: v.assign(t), args=(value,), group=False)
+
+        def update():
+            _apply_weight_decay(self, strategy, variables)
+            internals.attr(self, "_distributed_tf_update_step")(
+                strategy, list(zip(updates, variables)), self.learning_rate)
+            for accumulator in accumulators:
+                assign(accumulator.value, tf.zeros(accumulator.shape, accumulator.dtype))
+            return tf.constant(True)
+
+        def accumulate():
+            for accumulator, value in zip(accumulators, sums):
+                assign(accumulator.value, value)
+            return tf.constant(False)
+
+        return tf.cond(is_update_step, update, accumulate)
+
+    context.merge_call(in_cross_replica_context, args=(sums, updates))
 
 
 def _ema_overwritten_per_replica(keras_overwrite):
@@ -517,10 +545,13 @@ def _ema_overwritten_per_replica(keras_overwrite):
     strategy, in replica context: Keras calls it inside a `cond`
     (`ema_overwrite_frequency`), where its `extended.update` (a merge call) fails ("merge_call
     called while defining a new graph", stock MirroredStrategy too). The averages are the
-    same on every replica, so each replica writes its own copies."""
+    same on every replica, so each replica writes its own copies. (Under shard=..., the
+    owners already did in their step.)"""
 
     @functools.wraps(keras_overwrite)
     def overwrite(self, trainable_variables):
+        if zero_optimizers.overwritten_by_owners(self):
+            return None
         context = _replica_context("_tfpar_mirrored", min_replicas=1)
         if context is None:
             return keras_overwrite(self, trainable_variables)

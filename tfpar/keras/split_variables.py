@@ -165,9 +165,19 @@ def shard_variable(variable, part, index):
                           name=f"{variable.name}_shard{index}")
 
 
+def _computed(layer, value):
+    """`value` in the layer's compute dtype, as Keras' `Layer.__call__` gives the layer its
+    inputs and, in its autocast scope, its variables (a mixed policy: float32 variables,
+    bfloat16 or float16 computation). A split call does not run through `__call__`."""
+    import keras
+
+    return keras.ops.cast(value, layer.compute_dtype)
+
+
 def _product(layer, x, kernel):
     import keras
 
+    x, kernel = _computed(layer, x), _computed(layer, kernel)
     if isinstance(layer, keras.layers.EinsumDense):
         return keras.ops.einsum(layer.equation, x, kernel)
     return keras.ops.matmul(x, kernel)
@@ -191,8 +201,9 @@ def bias_and_activation(layer, y, bias=None):
     import keras
 
     bias = layer.bias if bias is None else bias
+    y = _computed(layer, y)
     if bias is not None:
-        y = keras.ops.add(y, bias)
+        y = keras.ops.add(y, _computed(layer, bias))
     return layer.activation(y) if layer.activation is not None else y
 
 
@@ -212,10 +223,6 @@ def refusal(layer):
         return "it has LoRA enabled"
     if getattr(layer, "quantization_mode", None):
         return f"it is quantized ({layer.quantization_mode})"
-    policy = layer.dtype_policy
-    if policy.compute_dtype != policy.variable_dtype:
-        return (f"its dtype policy {policy.name!r} computes in another dtype than its "
-                f"variables")
     for what in ("kernel_constraint", "bias_constraint", "kernel_regularizer",
                  "bias_regularizer", "activity_regularizer"):
         if getattr(layer, what, None) is not None:

@@ -24,7 +24,9 @@ class OwnerStep:
     every owner's share by `sum_over_owners`), the variable decayed (AdamW's
     `weight_decay`, which Keras applies to every replica's copy through the strategy: under
     stage 3 the owner's variable has one copy, which TensorFlow's mirrored update refuses),
-    then updated. What the sharded update (`tfpar.distribute.zero.zero_sharding`) calls."""
+    then updated, then its moving average (`use_ema`, optimizer state kept on the owner)
+    updated, and the variable overwritten by it every `ema_overwrite_frequency` steps.
+    What the sharded update (`tfpar.distribute.zero.zero_sharding`) calls."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -36,6 +38,82 @@ class OwnerStep:
     def update_step(self, grad, variable, learning_rate):
         _decay(self.optimizer, variable)
         self.optimizer.update_step(grad, variable, learning_rate)
+
+    def after_step(self, variable):
+        """Keras' `_update_model_variables_moving_average` and
+        `_overwrite_model_variables_with_average_value` of one owned variable."""
+        optimizer = self.optimizer
+        if not optimizer.use_ema:
+            return
+        average = _average_of(optimizer, variable)
+        iterations = tf.convert_to_tensor(optimizer.iterations)
+        momentum = tf.cast(tf.not_equal(iterations, 0), variable.dtype) * tf.cast(
+            optimizer.ema_momentum, variable.dtype)
+        optimizer.assign(average, momentum * average + (1 - momentum) * variable)
+        if optimizer.ema_overwrite_frequency:
+            # Local operations only: a cond may hold them.
+            tf.cond((iterations + 1) % optimizer.ema_overwrite_frequency == 0,
+                    lambda: variable.assign(tf.convert_to_tensor(average)).op,
+                    tf.no_op)
+
+
+def _average_of(optimizer, variable):
+    averages = internals.attr(optimizer, "_model_variables_moving_average")
+    return averages[internals.attr(optimizer, "_get_variable_index")(variable)]
+
+
+def _averaged_by_owners(keras_update_average):
+    """BaseOptimizer._update_model_variables_moving_average under a sharding strategy:
+    each owner updates the averages it owns in its step (`OwnerStep.after_step`)."""
+
+    @functools.wraps(keras_update_average)
+    def update_average(self, trainable_variables):
+        stage, _ = _shard_stage(self)
+        if stage and not tf.distribute.in_cross_replica_context():
+            return None
+        return keras_update_average(self, trainable_variables)
+
+    return update_average
+
+
+def overwritten_by_owners(optimizer):
+    """True when the owners overwrite the weights by their averages in their step
+    (`OwnerStep.after_step`): Keras' overwrite in replica context then does nothing."""
+    stage, _ = _shard_stage(optimizer)
+    return bool(stage) and not tf.distribute.in_cross_replica_context()
+
+
+def _finalized_by_owners(keras_finalize):
+    """BaseOptimizer.finalize_variable_values (the end of `fit`) under a sharding strategy
+    with `use_ema`: every weight takes its average, which lives on the weight's owner.
+    A stage-3 weight is its owner's, next to its average; a mirrored weight (stages 1-2)
+    takes the owner's average on every copy, fetched from a worker that owns it (every
+    worker runs `fit`'s end, so the fetch is a collective they all join)."""
+
+    @functools.wraps(keras_finalize)
+    def finalize(self, var_list):
+        stage, strategy = _shard_stage(self)
+        if not stage or not self.use_ema:
+            return keras_finalize(self, var_list)
+        averages = internals.attr(self, "_model_variables_moving_average")
+        mirrored = [isinstance(internals.attr(v, "_value"), tf.distribute.DistributedValues)
+                    for v in var_list]
+        fetched = iter(strategy._tfpar_full_optimizer_state(
+            [a for a, m in zip(averages, mirrored) if m]) if _remote_state(self) else ())
+        remote = strategy._tfpar_shard_owners.remote
+        for variable, average, is_mirrored in zip(var_list, averages, mirrored):
+            target = internals.attr(variable, "_value")
+            if is_mirrored:
+                value = next(fetched) if _remote_state(self) else tf.convert_to_tensor(
+                    average)
+                for copy in strategy.experimental_local_results(target):
+                    with tf.device(copy.device):
+                        copy.assign(tf.identity(value))
+            elif id(target) not in remote:
+                target.assign(tf.convert_to_tensor(average))
+        return None
+
+    return finalize
 
 
 def _decay(optimizer, variable):
@@ -75,9 +153,7 @@ def _name(strategy):
 def _refusal(optimizer, strategy):
     shard = strategy.shard
     what = None
-    if optimizer.use_ema:
-        what = "use_ema=True"
-    elif type(optimizer).__name__ == "Muon":
+    if type(optimizer).__name__ == "Muon":
         # Measured: ZeRO-3 on 2 replicas 0.03 off one device's weights after one epoch.
         return (f"{_name(strategy)}(shard={shard!r}) cannot shard Muon yet: its update "
                 f"under ZeRO differs from one device's. Use AdamW, Lion, ... with shard, "
@@ -131,6 +207,19 @@ def _check_state_follows_variables(optimizer, strategy):
     # replica updates alike.
     mirrored = [v.path for v in optimizer.variables if len(v.shape)
                 and isinstance(internals.attr(v, "_value"), tf.distribute.DistributedValues)]
+    # A trainable variable an optimizer makes itself (not through add_variable), such as
+    # Nadam's `_u_product`, looks like a model weight to stage 3, which places it on one
+    # owner: every replica would then update that one copy (measured: Nadam 0.006 off).
+    owners = strategy._tfpar_shard_owners
+    placed = [v.path for v in optimizer.variables
+              if owners.known(internals.attr(v, "_value"))
+              and id(internals.attr(v, "_value")) not in owners.slots]
+    if placed:
+        raise ValueError(
+            f"{_name(strategy)}(shard={strategy.shard!r}) cannot shard "
+            f"{type(optimizer).__name__}: it makes state as a trainable variable "
+            f"({', '.join(placed[:3])}), which shard='parameters' places on one owner like a "
+            f"model weight. Use shard='gradients' (weights mirrored), or another optimizer.")
     if mirrored:
         raise ValueError(
             f"{_name(strategy)}(shard={strategy.shard!r}) cannot shard "
@@ -188,7 +277,7 @@ def _saved_whole(keras_save):
         strategy = _remote_state(self)
         if strategy is None:
             return keras_save(self, store)
-        for i, value in enumerate(strategy._tfpar_full_optimizer_state(self)):
+        for i, value in enumerate(strategy._tfpar_full_optimizer_state(self.variables)):
             store[str(i)] = value
 
     return save_own_variables
@@ -354,6 +443,8 @@ def patches():
     internals.check(callable(getattr(remat, "remat", None)), "keras.src.backend.common.remat.remat")
     return [(remat, "remat", _remat_with_keyword_arguments),
             (base, "build", _built_for_shards),
+            (base, "_update_model_variables_moving_average", _averaged_by_owners),
+            (base, "finalize_variable_values", _finalized_by_owners),
             (base, "save_own_variables", _saved_whole),
             (base, "load_own_variables", _loaded_where_owned),
             (optimizer, "_backend_update_step", _sharded_update_step),

@@ -334,13 +334,13 @@ def _is_sharded(strategy, variable):
     return isinstance(variable, tf.distribute.DistributedValues) and variable.trainable
 
 
-def full_state(strategy, optimizer):
-    """The optimizer's variables with their full values (numpy), as one device would hold
-    them, one at a time (a generator): state owned on another worker is fetched from its
-    owner when its turn comes, so a checkpoint never holds more than one variable of it.
-    A collective: every worker iterates it, in the same order."""
+def full_state(strategy, keras_variables):
+    """The optimizer's variables `keras_variables` with their full values (numpy), as one
+    device would hold them, one at a time (a generator): state owned on another worker is
+    fetched from its owner when its turn comes, so a checkpoint never holds more than one
+    variable of it. A collective: every worker iterates it, in the same order."""
     owners = strategy._tfpar_shard_owners
-    for keras_variable in optimizer.variables:
+    for keras_variable in keras_variables:
         variable = models.storage(keras_variable)
         if id(variable) not in owners.slots:
             yield variable.numpy()
@@ -434,10 +434,15 @@ def _apply_owned(optimizer, owned, learning_rate, accumulation, in_turn):
     """The optimizer's update of the replica's own variables, or their accumulation;
     each update made through `in_turn` (a `steps.InTurn`, or `steps.at_once`)."""
     if accumulation is not None:
-        return accumulation.apply(optimizer, owned, learning_rate)
+        accumulation.apply(optimizer, owned, learning_rate)
+        # (Keras' moving averages follow the weights every step, updated or not.)
+        for _, _, variable in owned:
+            optimizer.after_step(variable)
+        return
 
     def update(grad, variable):
         optimizer.update_step(grad, variable, learning_rate)
+        optimizer.after_step(variable)
         return variable.read_value()  # Ordered after the update (the same resource).
 
     for _, grad, variable in owned:
@@ -449,7 +454,8 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     """The optimizer step of one replica under ZeRO `stage` (1-3), in replica context.
 
     `optimizer` is the owner's step of the Keras seam (`zero_optimizers.OwnerStep`:
-    `update_step`, and `clip` of the owned gradients when it `clips`);
+    `update_step`, `after_step` of each owned variable every step, and `clip` of the owned
+    gradients when it `clips`);
     `variables` are the strategy's variables (tf.Variables, not keras.Variables),
     `grads` this replica's gradients for them (not yet reduced), `collectives` a
     `ShardCollectives`; gradients travel in buckets of about `bucket_bytes`
@@ -869,9 +875,10 @@ class ZeroHooks:
     """What a sharding strategy (`DataParallelStrategy(shard=...)`, a pipeline's
     `PipelineStrategy(shard=...)`) answers the Keras seam with. Set up by `set_up`."""
 
-    def _tfpar_full_optimizer_state(self, optimizer):
-        # Asked by the Keras seam when a sharded optimizer is saved across workers.
-        return full_state(self, optimizer)
+    def _tfpar_full_optimizer_state(self, keras_variables):
+        # Asked by the Keras seam when a sharded optimizer is saved across workers, and for
+        # the moving averages (use_ema) that replace the weights when training ends.
+        return full_state(self, keras_variables)
 
     def _tfpar_sharded_update(self, optimizer, grads, variables, learning_rate,
                               accumulation=None):
