@@ -550,7 +550,7 @@ def _ema_overwritten_per_replica(keras_overwrite):
 
     @functools.wraps(keras_overwrite)
     def overwrite(self, trainable_variables):
-        if zero_optimizers.overwritten_by_owners(self):
+        if zero_optimizers.done_by_owners(self):
             return None
         context = _replica_context("_tfpar_mirrored", min_replicas=1)
         if context is None:

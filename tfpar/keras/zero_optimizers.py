@@ -62,23 +62,10 @@ def _average_of(optimizer, variable):
     return averages[internals.attr(optimizer, "_get_variable_index")(variable)]
 
 
-def _averaged_by_owners(keras_update_average):
-    """BaseOptimizer._update_model_variables_moving_average under a sharding strategy:
-    each owner updates the averages it owns in its step (`OwnerStep.after_step`)."""
-
-    @functools.wraps(keras_update_average)
-    def update_average(self, trainable_variables):
-        stage, _ = _shard_stage(self)
-        if stage and not tf.distribute.in_cross_replica_context():
-            return None
-        return keras_update_average(self, trainable_variables)
-
-    return update_average
-
-
-def overwritten_by_owners(optimizer):
-    """True when the owners overwrite the weights by their averages in their step
-    (`OwnerStep.after_step`): Keras' overwrite in replica context then does nothing."""
+def done_by_owners(optimizer):
+    """True when, under a sharding strategy in replica context, the owners do in their step
+    (`OwnerStep`) what Keras would do here to every variable: weight decay, the moving
+    averages and their overwrite of the weights."""
     stage, _ = _shard_stage(optimizer)
     return bool(stage) and not tf.distribute.in_cross_replica_context()
 
@@ -126,18 +113,18 @@ def _decay(optimizer, variable):
     variable.assign_sub(variable * decay * learning_rate)
 
 
-def _decayed_by_owners(keras_apply_weight_decay):
-    """TFOptimizer._apply_weight_decay under a sharding strategy: each owner decays what it
-    owns in its step (`OwnerStep`)."""
+def _left_to_owners(keras_method):
+    """A Keras optimizer method of every variable (`TFOptimizer._apply_weight_decay`,
+    `BaseOptimizer._update_model_variables_moving_average`) that does nothing where the
+    owners do it for what they own (`done_by_owners`)."""
 
-    @functools.wraps(keras_apply_weight_decay)
-    def apply_weight_decay(self, variables):
-        stage, _ = _shard_stage(self)
-        if stage and not tf.distribute.in_cross_replica_context():
+    @functools.wraps(keras_method)
+    def method(self, variables):
+        if done_by_owners(self):
             return None
-        return keras_apply_weight_decay(self, variables)
+        return keras_method(self, variables)
 
-    return apply_weight_decay
+    return method
 
 
 def _shard_stage(optimizer):
@@ -443,9 +430,9 @@ def patches():
     internals.check(callable(getattr(remat, "remat", None)), "keras.src.backend.common.remat.remat")
     return [(remat, "remat", _remat_with_keyword_arguments),
             (base, "build", _built_for_shards),
-            (base, "_update_model_variables_moving_average", _averaged_by_owners),
+            (base, "_update_model_variables_moving_average", _left_to_owners),
             (base, "finalize_variable_values", _finalized_by_owners),
             (base, "save_own_variables", _saved_whole),
             (base, "load_own_variables", _loaded_where_owned),
             (optimizer, "_backend_update_step", _sharded_update_step),
-            (optimizer, "_apply_weight_decay", _decayed_by_owners)]
+            (optimizer, "_apply_weight_decay", _left_to_owners)]
