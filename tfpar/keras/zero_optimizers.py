@@ -85,14 +85,14 @@ def _finalized_by_owners(keras_finalize):
         averages = internals.attr(self, "_model_variables_moving_average")
         mirrored = [isinstance(internals.attr(v, "_value"), tf.distribute.DistributedValues)
                     for v in var_list]
+        across_workers = _remote_state(self) is not None
         fetched = iter(strategy._tfpar_full_optimizer_state(
-            [a for a, m in zip(averages, mirrored) if m]) if _remote_state(self) else ())
+            [a for a, m in zip(averages, mirrored) if m]) if across_workers else ())
         remote = strategy._tfpar_shard_owners.remote
         for variable, average, is_mirrored in zip(var_list, averages, mirrored):
             target = internals.attr(variable, "_value")
             if is_mirrored:
-                value = next(fetched) if _remote_state(self) else tf.convert_to_tensor(
-                    average)
+                value = next(fetched) if across_workers else tf.convert_to_tensor(average)
                 for copy in strategy.experimental_local_results(target):
                     with tf.device(copy.device):
                         copy.assign(tf.identity(value))
