@@ -25,8 +25,8 @@ MULTI_WORKER_FEATURES = ["loss_sum", "sample_weight", "masked_pooling", "partial
                          "clip_global_norm_one_replica", "overflow_one_replica"]
 
 # Features run under tfpar.MeshStrategy (keras.distribution on TensorFlow).
-MESH_FEATURES = ["loss_sum", "sample_weight", "class_weight", "masked_pooling",
-                 "partial_last_batch", "metrics_confusion", "batchnorm", "dropout_seeded",
+MESH_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight", "class_weight",
+                 "masked_pooling", "partial_last_batch", "metrics_confusion", "batchnorm", "dropout_seeded",
                  "activity_regularizer", "recompile", "steps_per_execution", "mixed_bfloat16",
                  "multi_input_output", "save_keras_load"]
 # Custom training loops (strategy.run + apply_gradients), compared with the same loop on one
@@ -36,25 +36,29 @@ CUSTOM_LOOP_FEATURES = ["custom_loop", "custom_loop_accumulation", "custom_loop_
 ZERO1_FEATURES = CUSTOM_LOOP_FEATURES
 # Features run under ZeRO stage 2 (stage 3, whose code it shares, runs them all): those
 # that touch gradients, optimizer state, variables or their saving.
-ZERO2_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "masked_rnn_per_timestep",
-                  "uneven_global_batch", "partial_last_batch", "batchnorm", "recompile",
-                  "steps_per_execution", "gradient_accumulation", "jit_compile",
-                  "mixed_float16", "frozen_layer", "save_keras_load"] + CUSTOM_LOOP_FEATURES
-# Features run under ZeRO stage 3 (parameters on their owners, read in each step): ZeRO-2's
-# and those that read variables in other ways (regularizers, nested and subclassed models,
-# a custom train_step, two inputs and outputs, export). Pure loss and metric features take
-# stage 2's path.
-ZERO3_FEATURES = ZERO2_FEATURES + ["kernel_regularizer", "activity_regularizer", "add_loss",
-                                   "nested_model", "subclassed_model", "custom_train_step",
-                                   "multi_input_output", "export_savedmodel", "dropout_seeded"]
+ZERO2_FEATURES = ["loss_sum_over_batch_size", "partial_last_batch", "gradient_accumulation",
+                  "jit_compile", "mixed_float16", "frozen_layer",
+                  "save_keras_load"] + CUSTOM_LOOP_FEATURES
+# Features run under ZeRO stage 3 (parameters on their owners, read in each step): ZeRO-2's,
+# those of how a batch splits and of the model's state (sample_weight, masks, uneven batches,
+# BatchNorm, recompiling, steps_per_execution: on stage 2 too until session 22), and those
+# that read variables in other ways (regularizers, nested and subclassed models, a custom
+# train_step, two inputs and outputs, export). Pure loss and metric features take stage 2's
+# path.
+ZERO3_FEATURES = ZERO2_FEATURES + [
+    "sample_weight", "masked_rnn_per_timestep", "uneven_global_batch", "batchnorm", "recompile",
+    "steps_per_execution", "kernel_regularizer", "activity_regularizer", "add_loss",
+    "nested_model", "subclassed_model", "custom_train_step", "multi_input_output",
+    "export_savedmodel", "dropout_seeded"]
 # Features run under model parallelism (one replica; layers placed on devices): those whose
 # steps, losses, variables or saving its placement could change, and the custom loops.
+# (Session 22 dropped masked_pooling, dropout_seeded, activity_regularizer, add_loss,
+# kernel_regularizer, nested_model, custom_train_step and recompile, whose placement is that
+# of the rows kept: ~28 s of the suite.)
 MP_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "masked_rnn_per_timestep",
-               "masked_pooling", "partial_last_batch", "batchnorm", "dropout_seeded",
-               "activity_regularizer", "add_loss", "kernel_regularizer", "frozen_layer",
-               "nested_model", "subclassed_model", "custom_train_step", "multi_input_output",
-               "gradient_accumulation", "mixed_float16", "recompile", "save_keras_load",
-               "jit_compile"] + CUSTOM_LOOP_FEATURES
+               "partial_last_batch", "batchnorm", "frozen_layer", "subclassed_model",
+               "multi_input_output", "gradient_accumulation", "mixed_float16",
+               "save_keras_load", "jit_compile"] + CUSTOM_LOOP_FEATURES
 # Features run under the zero-bubble schedule (1F1B's code, the backward split in two):
 # those whose gradients or losses a split backward could change.
 SPLIT_BACKWARD_FEATURES = ["loss_sum", "sample_weight", "activity_regularizer",
@@ -62,15 +66,23 @@ SPLIT_BACKWARD_FEATURES = ["loss_sum", "sample_weight", "activity_regularizer",
                            "multi_input_output", "batchnorm", "dropout_seeded",
                            "partial_last_batch", "gradient_accumulation", "mixed_float16",
                            "recompile"]
-# Features run with 4 replicas (2 replicas run them all): those whose numbers depend on how
-# a batch splits over replicas (losses, weights, masks, statistics, uneven splits, metrics).
-DP4_FEATURES = ["loss_sum_over_batch_size", "loss_mean_with_sample_weight", "sample_weight",
-                "multi_output_loss_weights", "masked_rnn_per_timestep", "masked_pooling",
-                "uneven_global_batch", "partial_last_batch", "metrics_confusion",
-                "batchnorm", "batchnorm_synchronized", "dropout_seeded",
-                "activity_regularizer", "add_loss", "custom_loop"]
-# (custom_loop_accumulation and custom_loop_loss_scale left DP 4 in session 21: 65 s of the
-# suite on 2 cores for what DP 2, ZeRO-1/2/3 and the pipelines already check of them.)
+# Features whose numbers depend on how a batch splits over replicas (losses, weights, masks,
+# statistics, uneven splits, metrics): pipeline replicas (R=2 x K=2) run them all.
+REPLICA_SPLIT_FEATURES = ["loss_sum_over_batch_size", "loss_mean_with_sample_weight",
+                          "sample_weight", "multi_output_loss_weights",
+                          "masked_rnn_per_timestep", "masked_pooling", "uneven_global_batch",
+                          "partial_last_batch", "metrics_confusion", "batchnorm",
+                          "batchnorm_synchronized", "dropout_seeded", "activity_regularizer",
+                          "add_loss", "custom_loop"]
+# 4 replicas (DP 2 runs every feature): of those, the ones where 4 differs from 2 in kind
+# (a weighted mean over 4 unequal parts, masks, a batch 4 replicas split unevenly or not at
+# all, metric states summed over 4, statistics per replica and synchronized, a custom loop's
+# reduction). A DP 4 cell costs ~15 s on 2 cores (4 replicas traced); session 22 dropped
+# sample_weight, multi_output_loss_weights, masked_pooling, dropout_seeded,
+# activity_regularizer and add_loss (DP 2 and the pipeline replicas keep them).
+DP4_FEATURES = ["loss_sum_over_batch_size", "loss_mean_with_sample_weight",
+                "masked_rnn_per_timestep", "uneven_global_batch", "partial_last_batch",
+                "metrics_confusion", "batchnorm", "batchnorm_synchronized", "custom_loop"]
 # Features run under GPipe (1F1B, whose runtime it shares, runs them all; only the order of
 # the micro-batches' forward and backward passes differs): those with state or losses made
 # in the forward pass, or updated per micro-batch, and the refusals.
@@ -80,14 +92,14 @@ GPIPE_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight",
                   "activity_regularizer", "add_loss", "gradient_accumulation", "mixed_float16",
                   "recompile", "subclassed_model", "custom_train_step", "save_keras_load"]
 # Features run on pipeline replicas (R=2 x K=2): those whose numbers depend on how a batch
-# splits over replicas (as for 4 replicas) and over micro-batches, and the refusals.
-PIPELINE_REPLICA_FEATURES = DP4_FEATURES + ["gradient_accumulation", "mixed_float16", "recompile",
-                                             "subclassed_model", "custom_train_step",
-                                             "save_keras_load"]
+# splits over replicas and over micro-batches, and the refusals.
+PIPELINE_REPLICA_FEATURES = REPLICA_SPLIT_FEATURES + [
+    "gradient_accumulation", "mixed_float16", "recompile", "subclassed_model",
+    "custom_train_step", "save_keras_load", "frozen_layer"]
 # Features run under PipeDream-2BW (1F1B's order, updates one step late), each compared with
 # a one-device run of the same delayed rule (semantics.DelayedUpdates).
-TWO_BW_FEATURES = ["loss_sum", "sample_weight", "partial_last_batch", "add_loss",
-                   "frozen_layer", "recompile", "gradient_accumulation"]
+TWO_BW_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight", "partial_last_batch",
+                   "add_loss", "frozen_layer", "recompile", "gradient_accumulation"]
 # Features run on pipeline replicas with ZeRO stage 1 over each stage's replicas (R=2 x
 # K=2): the core rows (losses, weights, partial batches, statistics, accumulation, loss
 # scaling, frozen layers, saving, a custom loop) and the refusals.

@@ -116,6 +116,20 @@ def _pipeline_zero(shard):
                                   schedule="1f1b", shard=shard)
 
 
+# Columns whose evaluate and predict run another column's code (named): ZeRO-1/2 keep whole
+# weights on every replica as DP 2 does, and GPipe and zero-bubble H1 run 1F1B's forward pass
+# (the schedules differ in the training step only), pipe_zero1/2 pipe_r2k2's. Their cells
+# compare training (weights, history, anything saved); evaluate and predict (~1/3 of a cell)
+# are compared on the named column. 2BW keeps its own: its weights come in versions.
+INFERENCE_OF = {"zero1": "dp2", "zero2": "dp2", "gpipe": "1f1b", "zb": "1f1b",
+                "pipe_zero1": "pipe_r2k2", "pipe_zero2": "pipe_r2k2"}
+
+
+def infers(sid, feature):
+    """Whether the cell (sid, feature) runs evaluate and predict."""
+    return feature.inference and (sid not in INFERENCE_OF or feature.after is not None)
+
+
 def make_strategy(sid):
     """A fresh strategy per run: no state carries over from one cell to the next."""
     return None if sid is None else STRATEGIES[sid]()
@@ -462,12 +476,22 @@ class Feature:
     # are compared, and evaluate/predict, which such a row does not change, are left to the
     # other rows of each column (a cell's evaluate and predict cost ~40% of it).
     inference: bool = True
+    # False for rows whose model, inputs and outputs are the base row's
+    # (loss_sum_over_batch_size: the plain MLP): their predict would run the base row's
+    # forward pass on other weights, which are compared; their evaluate (losses, weights,
+    # metrics) is compared.
+    predicts: bool = True
 
 
 # The rows whose subject is the optimizer's step (see Feature.inference).
 STEP_ONLY = ("gradient_accumulation", "custom_loop_accumulation", "custom_loop_loss_scale",
              "clip_global_norm_one_replica", "clip_norm_one_replica", "clip_value_one_replica",
              "overflow_one_replica", "adamw_recipe", "custom_loop_clip")
+BASE_ROW = "loss_sum_over_batch_size"
+# The rows whose predict is the base row's (see Feature.predicts).
+BASE_OUTPUTS = ("loss_sum", "loss_none_custom_fn", "loss_mean_with_sample_weight",
+                "sample_weight", "class_weight", "kernel_regularizer", "activity_regularizer",
+                "frozen_layer", "custom_loop")
 
 
 def _features():
@@ -708,7 +732,9 @@ def _optimizer_features():
 
 
 FEATURES = {name: dataclasses.replace(feature, inference=False)
-            if name in STEP_ONLY or name.startswith("opt_") else feature
+            if name in STEP_ONLY or name.startswith("opt_")
+            else dataclasses.replace(feature, predicts=False) if name in BASE_OUTPUTS
+            else feature
             for name, feature in _features().items()}
 FEATURE_NAMES = list(FEATURES)
 
@@ -786,11 +812,12 @@ def run(sid, feature, strategy=None):
             history = {key: history.get(key, []) + second.get(key, [])
                        for key in {**history, **second}}
         evaluate, predict = {}, None
-        if feature.inference:
+        if infers(sid, feature):
             evaluate = model.evaluate(data.x, data.y, sample_weight=data.sample_weight,
                                       batch_size=feature.batch_size, verbose=0,
                                       return_dict=True)
-            predict = model.predict(data.x, batch_size=feature.batch_size, verbose=0)
+            if feature.predicts:
+                predict = model.predict(data.x, batch_size=feature.batch_size, verbose=0)
         extras = {}
         if feature.after is not None:
             with tempfile.TemporaryDirectory() as directory:

@@ -53,6 +53,10 @@ def test_cell(feature, sid, target):
     else:
         assert kind == "documented", target
         want, parts = semantics.emulated(feature, sid)
+    if not harness.infers(sid, spec):
+        parts = tuple(p for p in parts if p not in ("evaluate", "predict"))
+    if not spec.predicts:
+        parts = tuple(p for p in parts if p != "predict")
     bad = harness.failures(got, want, atol or spec.atol, rtol or spec.rtol, parts)
     what = "the emulation" if kind == "documented" else "one device"
     assert not bad, f"{sid} differs from {what}: " \
@@ -81,3 +85,33 @@ def test_every_cell_has_a_target_and_every_gap_a_cell():
                 assert len(target.split(":", 2)) == 3 and target.split(":", 2)[2], target
     assert set(expected.KNOWN_GAPS) <= set(expected.EXPECTED)
     assert all(r.startswith(expected.ISSUE) for r in expected.KNOWN_GAPS.values())
+
+
+def test_a_cell_that_leaves_inference_to_another_column_finds_it_there():
+    """A column of harness.INFERENCE_OF compares evaluate and predict on the column it names:
+    every feature it trains but does not infer with runs there too, not refused."""
+    missing = []
+    for (feature, sid), target in expected.EXPECTED.items():
+        spec = harness.FEATURES[feature]
+        if (sid in harness.INFERENCE_OF and not target.startswith("error")
+                and spec.inference and not harness.infers(sid, spec)):
+            there = expected.EXPECTED.get((feature, harness.INFERENCE_OF[sid]), "absent")
+            if there.startswith(("error", "absent")):
+                missing.append((feature, sid, harness.INFERENCE_OF[sid], there))
+    assert not missing, missing
+
+
+def test_a_row_that_leaves_predict_to_the_base_row_finds_it_on_its_column():
+    """A row of harness.BASE_OUTPUTS compares no predict: on each of its columns the base
+    row (the same model, inputs and outputs) runs predict, compared with one device."""
+    base = harness.FEATURES[harness.BASE_ROW]
+    assert base.predicts and base.inference
+    missing = []
+    for (feature, sid), target in expected.EXPECTED.items():
+        if feature in harness.BASE_OUTPUTS and not target.startswith("error") \
+                and sid != expected.MULTI_WORKER:
+            column = sid if harness.infers(sid, base) else harness.INFERENCE_OF[sid]
+            there = expected.EXPECTED.get((harness.BASE_ROW, column), "absent")
+            if there.startswith(("error", "absent")):
+                missing.append((feature, sid, there))
+    assert not missing, missing
