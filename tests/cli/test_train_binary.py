@@ -26,7 +26,12 @@ def _final(output):
     return float(match[1]), float(match[2]), int(match[3]), int(match[4])
 
 
-def test_default_job_reaches_accuracy():
+def test_default_job_reaches_accuracy_and_says_what_it_runs():
+    """The README's main job. One line names the strategy, devices (why CPUs) and data; on
+    a host with no GPU, TensorFlow's CUDA probe lines (twice "Could not find cuda drivers",
+    "failed call to cuInit") and its INFO lines from before absl's logging starts are gone."""
+    from tfpar.cli import cuda_noise
+
     code, output = _train()
     assert code == 0, output[-3000:]
     loss, accuracy, samples_per_second, replicas = _final(output)
@@ -34,6 +39,14 @@ def test_default_job_reaches_accuracy():
     assert accuracy >= 0.9
     assert samples_per_second > 0
     assert "Epoch 10/10" in output
+    lines = [line for line in output.splitlines() if line.startswith("tfpar.cli.train: ")]
+    why = ("logical CPUs \\(CPU:0, CPU:1\\); no GPU on this host \\(no NVIDIA driver\\)"
+           if cuda_noise.gpu_absent() else "GPUs")
+    assert len(lines) == 1 and re.fullmatch(
+        f"tfpar.cli.train: DataParallelStrategy on 2 {why}; dataset spirals \\(6000 train / "
+        f"\\d+ test examples\\), global batch 64, 10 epochs", lines[0]), output[-3000:]
+    for noise in ("cuInit", "Could not find cuda drivers", "absl::InitializeLog", "I0000 "):
+        assert noise not in output, output[-3000:]
 
 
 def test_model_parallel_strategy_trains(tmp_path):
@@ -151,24 +164,6 @@ def test_example_binary_trains():
                       r"accuracy=([\d.]+)", result.stdout)
     assert match, result.stdout[-2000:]
     assert float(match[1]) > 0.6
-
-
-def test_says_what_it_runs_and_keeps_cuda_probe_noise_out():
-    """One line names the strategy, devices (why CPUs) and data; on a host with no GPU,
-    TensorFlow's CUDA probe lines (twice "Could not find cuda drivers", "failed call to
-    cuInit") and its INFO lines from before absl's logging starts are gone."""
-    from tfpar.cli import cuda_noise
-
-    code, output = _train("--epochs=1")
-    assert code == 0, output[-3000:]
-    lines = [line for line in output.splitlines() if line.startswith("tfpar.cli.train: ")]
-    why = ("logical CPUs \\(CPU:0, CPU:1\\); no GPU on this host \\(no NVIDIA driver\\)"
-           if cuda_noise.gpu_absent() else "GPUs")
-    assert len(lines) == 1 and re.fullmatch(
-        f"tfpar.cli.train: DataParallelStrategy on 2 {why}; dataset spirals \\(6000 train / "
-        f"\\d+ test examples\\), global batch 64, 1 epoch", lines[0]), output[-3000:]
-    for noise in ("cuInit", "Could not find cuda drivers", "absl::InitializeLog", "I0000 "):
-        assert noise not in output, output[-3000:]
 
 
 def test_only_the_cuda_probe_and_early_info_lines_are_noise():
