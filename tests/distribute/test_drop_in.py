@@ -205,3 +205,124 @@ def test_without_tf_config_data_parallel_has_the_one_task_resolver():
     assert (resolver.task_type, resolver.task_id, resolver.cluster_spec().as_dict()) == (
         None, None, {})
     assert strategy.extended.should_checkpoint and strategy.extended.should_save_summary
+
+
+# -- constructor arguments: the stock strategies' own, by name and by position --------------
+
+def _stock_parameters(cls):
+    import inspect
+
+    return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+
+
+def test_every_stock_constructor_argument_is_accepted_by_data_parallel():
+    import inspect
+
+    ours = inspect.signature(tfpar.DataParallelStrategy.__init__).parameters
+    for cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+        missing = [name for name in _stock_parameters(cls) if name not in ours]
+        assert not missing, (cls.__name__, missing)
+
+
+def _trained_weights(strategy):
+    import keras
+
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("int32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("make_ops, named", [
+    (tf.distribute.HierarchicalCopyAllReduce, "hierarchical"),
+    (tf.distribute.ReductionToOneDevice, "reduce_to_one"),
+    (lambda: tf.distribute.ReductionToOneDevice(reduce_to_device="/cpu:1"), "reduce_to_one"),
+])
+def test_cross_device_ops_as_mirrored_strategy_takes_them(make_ops, named):
+    """MirroredStrategy(devices, cross_device_ops): by name and by position, and fit trains
+    as under the stock strategy with the same ops."""
+    ops = make_ops()
+    by_name = tfpar.DataParallelStrategy(cpus(2), cross_device_ops=ops)
+    by_position = tfpar.DataParallelStrategy(cpus(2), make_ops())
+    for strategy in (by_name, by_position):
+        assert strategy.communication == named
+    stock = _trained_weights(tf.distribute.MirroredStrategy(cpus(2), cross_device_ops=ops))
+    for got, want in zip(_trained_weights(by_name), stock):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_cross_device_ops_tfpar_has_no_name_for_are_used_as_given():
+    class Counting(tf.distribute.ReductionToOneDevice):
+        calls = 0
+
+        def reduce_implementation(self, *args, **kwargs):
+            Counting.calls += 1
+            return super().reduce_implementation(*args, **kwargs)
+
+    strategy = tfpar.DataParallelStrategy(cpus(2), cross_device_ops=Counting())
+    assert strategy.communication == "Counting"
+    got = _trained_weights(strategy)
+    assert Counting.calls >= 1  # fit's gradients were summed by it.
+    for got, want in zip(got, _trained_weights(tf.distribute.MirroredStrategy(cpus(2)))):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="cannot use Counting as given. Pass communication="):
+        tfpar.DataParallelStrategy(cpus(2), cross_device_ops=Counting(), shard="optimizer")
+
+
+def test_communication_options_as_multi_worker_mirrored_strategy_takes_them():
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=1024, timeout_seconds=0,
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    from tfpar.distribute.data_parallel import stock_arguments
+
+    reduction = stock_arguments.resolve("auto", None, None, communication_options=options)
+    assert (reduction.communication, reduction.bytes_per_pack) == ("ring", 1024)
+    assert reduction.timeout_seconds == float("inf")  # Stock: 0 disables the timeout.
+    strategy = tfpar.DataParallelStrategy(cpus(2), communication_options=options)
+    assert strategy.communication == "ring"
+    # Positionally (MultiWorkerMirroredStrategy(cluster_resolver, communication_options)).
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({}), task_type="worker", task_id=0)
+    strategy = tfpar.DataParallelStrategy(resolver, options)
+    assert strategy.communication == "ring" and strategy.num_replicas_in_sync == len(
+        tf.config.list_logical_devices("CPU"))
+    # AUTO keeps tfpar's choice; the weights train as under the stock strategy.
+    auto = tfpar.DataParallelStrategy(
+        cpus(2), communication_options=tf.distribute.experimental.CommunicationOptions())
+    assert auto.communication == "reduce_to_one"
+    ring = tfpar.DataParallelStrategy(cpus(2), communication_options=options)
+    stock = _trained_weights(tf.distribute.MirroredStrategy(cpus(2)))
+    for got, want in zip(_trained_weights(ring), stock):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    (dict(cross_device_ops="nccl"), TypeError, "must be a tf.distribute.CrossDeviceOps"),
+    (dict(communication_options={"bytes_per_pack": 4}), TypeError,
+     "must be a tf.distribute.experimental.CommunicationOptions"),
+    (dict(communication="ring", cross_device_ops=tf.distribute.ReductionToOneDevice()),
+     ValueError, "communication='ring' and cross_device_ops both say how to reduce"),
+    (dict(bytes_per_pack=64, communication_options=tf.distribute.experimental
+          .CommunicationOptions(bytes_per_pack=128)), ValueError, "pass one of them"),
+    (dict(communication="reduce_to_one", communication_options=tf.distribute.experimental
+          .CommunicationOptions(implementation="ring")), ValueError,
+     "communication_options.implementation both say"),
+    (dict(cross_device_ops=tf.distribute.NcclAllReduce()), Exception,
+     "communication='nccl'"),
+])
+def test_stock_arguments_that_cannot_hold_say_what_to_change(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        tfpar.DataParallelStrategy(cpus(2), **kwargs)
+
+
+def test_cross_device_ops_across_workers_is_refused_before_any_connection():
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}),
+        task_type="worker", task_id=0)
+    with pytest.raises(ValueError, match="cross_device_ops only works on one host"):
+        tfpar.DataParallelStrategy(cluster_resolver=resolver,
+                                   cross_device_ops=tf.distribute.ReductionToOneDevice())

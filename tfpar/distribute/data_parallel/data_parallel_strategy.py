@@ -11,7 +11,7 @@ from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
 from tfpar.distribute.common.cross_device import make_cross_device_ops
-from tfpar.distribute.data_parallel import multi_worker
+from tfpar.distribute.data_parallel import multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import zero_sharding as sharded
 from tfpar.errors import DeviceError
@@ -22,7 +22,8 @@ from tfpar.keras import zero_optimizers as keras_sharded
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
-from tfpar.plan.communication import check_bytes_per_pack, select_communication
+from tfpar.plan.communication import (COMMUNICATIONS, check_bytes_per_pack,
+                                      select_communication)
 
 
 class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.MirroredStrategy):
@@ -61,6 +62,14 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         owner only and is read from it where a layer uses it (across workers, a
         broadcast whose gradient is reduced back). Whole variables are shared out
         (see `tfpar.plan.sharding`); checkpoints hold full, unsharded state.
+      cross_device_ops: as for `tf.distribute.MirroredStrategy` (one host): a
+        `tf.distribute.CrossDeviceOps`, used as given in place of `communication`
+        (`NcclAllReduce`, `HierarchicalCopyAllReduce` and `ReductionToOneDevice` are
+        "nccl", "hierarchical" and "reduce_to_one"; others work without `shard`).
+      communication_options: as for `tf.distribute.MultiWorkerMirroredStrategy`: a
+        `tf.distribute.experimental.CommunicationOptions`, read as `communication`
+        (its implementation), `bytes_per_pack` and `timeout_seconds` (0: wait forever).
+        Both also work in the stock strategies' positions.
       reshard_after_forward: under shard="parameters", free the weights a replica read
         from their owners after each layer's forward pass and read them again for its
         backward pass (FSDP's default): one layer's gathered weights are held at a time,
@@ -86,17 +95,32 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None, shard=None,
-                reshard_after_forward=None):
+                reshard_after_forward=None, cross_device_ops=None,
+                communication_options=None):
         if cls is DataParallelStrategy:
+            cluster_resolver = stock_arguments.positional(
+                devices, communication, cluster_resolver, None, None)[2]
             if multi_worker.cluster_worker_count(cluster_resolver) > 1:
                 cls = MultiWorkerDataParallelStrategy
         return super().__new__(cls)
 
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
                  cluster_resolver=None, timeout_seconds=None, shard=None,
-                 reshard_after_forward=None):
+                 reshard_after_forward=None, cross_device_ops=None,
+                 communication_options=None):
         # One construction path for one host and for workers; what differs is in the
         # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
+        devices, communication, cluster_resolver, cross_device_ops, communication_options = (
+            stock_arguments.positional(devices, communication, cluster_resolver,
+                                       cross_device_ops, communication_options))
+        reduction = stock_arguments.resolve(
+            communication, bytes_per_pack, timeout_seconds, cross_device_ops,
+            communication_options,
+            multi_worker=isinstance(self, tf.distribute.MultiWorkerMirroredStrategy),
+            shard=shard)
+        communication, bytes_per_pack, timeout_seconds = (
+            reduction.communication, reduction.bytes_per_pack, reduction.timeout_seconds)
+        self._given_cross_device_ops = reduction.given_ops
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
@@ -123,9 +147,10 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
     def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
         resolved = devices_lib.resolve_devices(devices)
-        self.communication = select_communication(
-            communication, [devices_lib.device_type(d) for d in resolved],
-            physical_gpus=devices_lib.physical_gpus_of(resolved))
+        self.communication = communication if communication not in COMMUNICATIONS \
+            else select_communication(  # (Else the class of the user's cross_device_ops.)
+                communication, [devices_lib.device_type(d) for d in resolved],
+                physical_gpus=devices_lib.physical_gpus_of(resolved))
         bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         if bytes_per_pack and self.communication != "ring":
             raise ValueError(
@@ -133,7 +158,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
                 f"uses {self.communication!r}. Pass communication='ring' or drop bytes_per_pack.")
         # Read by MirroredExtended when it makes its CollectiveKeys.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
-        return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack)
+        return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack,
+                                     self._given_cross_device_ops)
 
     def _install_keras_hooks(self):
         keras_hooks.install_crash_safe_backups()
@@ -204,16 +230,19 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 class _DataParallelExtended(sharded.OwnerPlacedVariables, tf_runtime.mirrored_extended()):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
-    def __init__(self, container_strategy, devices, communication, bytes_per_pack):
+    def __init__(self, container_strategy, devices, communication, bytes_per_pack,
+                 given_ops=None):
         self._tfpar_communication = communication
         self._tfpar_bytes_per_pack = bytes_per_pack
+        self._given_cross_device_ops = given_ops  # A user's cross_device_ops, used as given.
         super().__init__(container_strategy, devices=devices)
 
     def _initialize_strategy(self, devices):
         super()._initialize_strategy(devices)
-        tf_runtime.set_cross_device_ops(self, make_cross_device_ops(
-            self._tfpar_communication, tf_runtime.replica_devices(self),
-            tf_runtime.collective_keys(self), self._tfpar_bytes_per_pack))
+        tf_runtime.set_cross_device_ops(
+            self, self._given_cross_device_ops or make_cross_device_ops(
+                self._tfpar_communication, tf_runtime.replica_devices(self),
+                tf_runtime.collective_keys(self), self._tfpar_bytes_per_pack))
 
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))

@@ -1,0 +1,6 @@
+"""Deprecated: `python -m tfpar.server` moved (see `tfpar.cli.moved`)."""
+
+if __name__ == "__main__":
+    from tfpar.cli import moved
+
+    moved.run("tfpar.server")
