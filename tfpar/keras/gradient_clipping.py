@@ -26,6 +26,7 @@ import threading
 import tensorflow as tf
 
 from tfpar.contract import hooks_of
+from tfpar.keras.replica_context import replica_context
 from tfpar.keras import internals
 
 _local = threading.local()
@@ -159,16 +160,6 @@ def _deferrable(keras_clip_gradients):
     return clip_gradients
 
 
-def _mirrored_replicas():
-    """The replica context of a tfpar mirrored strategy with several replicas, or None."""
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return None
-    if not hooks_of(tf.distribute.get_strategy())._tfpar_mirrored:
-        return None
-    context = tf.distribute.get_replica_context()
-    return context if context is not None and context.num_replicas_in_sync > 1 else None
-
-
 def _poisoned(grads, bad):
     """`grads` plus NaN where `bad` (a float32 scalar) > 0, else plus 0 (exact)."""
     poison = tf.where(bad > 0, tf.constant(float("nan")), tf.constant(0.0))
@@ -192,7 +183,7 @@ def _finite_everywhere(keras_tf_apply):
 
     @functools.wraps(keras_tf_apply)
     def tf_apply(self, grads, trainable_variables=None):
-        context = _mirrored_replicas()
+        context = replica_context("_tfpar_mirrored")
         if context is None:
             return keras_tf_apply(self, grads, trainable_variables)
         grads = list(grads)

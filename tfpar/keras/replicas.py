@@ -51,6 +51,7 @@ import tensorflow as tf
 
 from tfpar import errors as tfpar_errors
 from tfpar.contract import hooks_of
+from tfpar.keras.replica_context import replica_context
 from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
 from tfpar.keras import models
@@ -76,25 +77,8 @@ def replica_id():
 def replica_in_sync():
     """The current replica's index among all replicas of all workers, as a Python int
     (in replica context)."""
-    value = tf.distribute.get_replica_context().replica_id_in_sync_group
+    value = tf.distribute.getreplica_context().replica_id_in_sync_group
     return value if isinstance(value, int) else int(tf.get_static_value(value))
-
-
-def _replica_context(marker="_tfpar_exact_replicas", min_replicas=2):
-    """The replica context of a tfpar strategy carrying `marker`, or None.
-
-    `_tfpar_exact_replicas`: strategies whose replicas each run Keras' own step on a
-    part of the batch (data parallelism); `_tfpar_mirrored`: every tfpar mirrored
-    strategy (the pipeline's too, whose step is its own).
-    """
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return None
-    if not getattr(hooks_of(tf.distribute.get_strategy()), marker):
-        return None
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync < min_replicas:
-        return None
-    return context
 
 
 @contextlib.contextmanager
@@ -178,7 +162,7 @@ def _normalizing_context():
     part = getattr(_local, "part", None)
     if part is not None:
         return part
-    context = _replica_context()
+    context = replica_context()
     return None if context is None else _ReplicaSums(context)
 
 
@@ -329,7 +313,7 @@ def _own_losses(layer):
 
 
 def _per_replica():
-    return _replica_context() is not None and not internals.symbol(
+    return replica_context() is not None and not internals.symbol(
         "keras.src.backend.common.stateless_scope.in_stateless_scope")()
 
 
@@ -454,7 +438,7 @@ def _accumulation_outside_cond(keras_apply):
 
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables):
-        context = _replica_context("_tfpar_mirrored", min_replicas=1)
+        context = replica_context("_tfpar_mirrored", min_replicas=1)
         hooks = hooks_of(context.strategy if context is not None else None)
         if context is not None and context.num_replicas_in_sync > 1 and (
                 hooks._tfpar_shard_stage or hooks._tfpar_replica_spans_devices):
@@ -514,7 +498,7 @@ def _accumulate(self, context, grads, trainable_variables):
         gradient_clipping.clip_groups(context.strategy, trainable_variables))
     variables = [v.value for v in trainable_variables]
 
-    def in_cross_replica_context(strategy, sums, updates):
+    def in_crossreplica_context(strategy, sums, updates):
         extended = strategy.extended
         iterations = internals.attr(self, "_iterations")
         is_update_step = (tf.convert_to_tensor(iterations) + 1) % steps == 0
@@ -552,7 +536,7 @@ def _ema_overwritten_per_replica(keras_overwrite):
     def overwrite(self, trainable_variables):
         if zero_optimizers.done_by_owners(self):
             return None
-        context = _replica_context("_tfpar_mirrored", min_replicas=1)
+        context = replica_context("_tfpar_mirrored", min_replicas=1)
         if context is None:
             return keras_overwrite(self, trainable_variables)
         strategy, me = context.strategy, replica_id()
@@ -579,7 +563,7 @@ def _reduced_where_they_are(keras_all_reduce):
     def all_reduce_sum(self, grads_and_vars):
         if gradient_clipping.already_summed():
             return list(grads_and_vars)  # Summed (and clipped) before Keras' update.
-        context = _replica_context("_tfpar_replica_spans_devices", min_replicas=1)
+        context = replica_context("_tfpar_replica_spans_devices", min_replicas=1)
         if context is None or not tf.inside_function():
             return keras_all_reduce(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
