@@ -588,3 +588,63 @@ def test_docstrings():
     from tfpar.cluster import launcher
 
     assert doctest.testmod(launcher).failed == 0
+
+
+# -- GPUs per task -----------------------------------------------------------------------------
+
+def test_gpus_are_shared_out_to_the_workers_and_hidden_from_the_others():
+    from tfpar.cluster.gpu_assignment import assign
+
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    assert assign(names, list("0123")) == {"chief:0": "", "worker:0": "0,1",
+                                           "worker:1": "2,3", "ps:0": ""}
+    assert assign(names, list("0123"), gpus_per_task=1) == {
+        "chief:0": "", "worker:0": "0", "worker:1": "1", "ps:0": ""}
+    # Fewer GPUs than workers: round-robin, shared.
+    assert assign(["worker:0", "worker:1", "worker:2"], ["4", "5"]) == {
+        "worker:0": "4", "worker:1": "5", "worker:2": "4"}
+    # No GPU, or 0 asked: nothing set (CUDA_VISIBLE_DEVICES left as it is).
+    assert assign(names, []) == {} and assign(names, list("01"), gpus_per_task=0) == {}
+    with pytest.raises(ValueError, match="needs 6 GPUs; this host has 4 .0,1,2,3."):
+        assign(["worker:0", "worker:1", "worker:2"], list("0123"), gpus_per_task=2)
+    with pytest.raises(ValueError, match="no GPU to assign"):
+        assign(names, [], gpus_per_task=1)
+    with pytest.raises(ValueError, match="must be an integer >= 0"):
+        assign(names, list("01"), gpus_per_task=-1)
+
+
+def test_the_visible_gpus_come_from_cuda_visible_devices_else_nvidia_smi():
+    from tfpar.cluster.gpu_assignment import visible_gpus
+
+    listed = lambda: ["GPU 0: NVIDIA A100 (UUID: GPU-a)", "GPU 1: NVIDIA A100 (UUID: GPU-b)"]  # noqa: E731
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5"}, listed) == ["3", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, listed) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, listed) == []
+    assert visible_gpus({}, listed) == ["0", "1"]
+    assert visible_gpus({}, lambda: []) == []
+
+
+@pytest.mark.slow
+def test_each_task_starts_with_its_gpus(tmp_path):
+    """The environment each task of a parameter-server cluster gets, read in the tasks."""
+    record = ("import json, os, pathlib, time; t = json.loads(os.environ['TF_CONFIG'])['task'];"
+              f" d = pathlib.Path({str(tmp_path)!r});"
+              " (d / f\"{t['type']}:{t['index']}\").write_text("
+              "os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'));")
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    chief = record + (f" deadline = time.time() + 60\n"
+                      f"while not all((d / n).exists() for n in {names!r}) and "
+                      f"time.time() < deadline: time.sleep(0.1)")
+    code, lines, launcher = _launch(tmp_path, chief, workers=2, ps=1,
+                                    server=record + " time.sleep(600)",
+                                    gpus=["0", "1", "2", "3"])
+    assert code == 0, lines
+    seen = {name: (tmp_path / name).read_text() for name in names}
+    assert seen == {"chief:0": "", "worker:0": "0,1", "worker:1": "2,3", "ps:0": ""}
+    assert ("[launcher] CUDA_VISIBLE_DEVICES per task: chief:0=(none), worker:0=0,1, "
+            "worker:1=2,3, ps:0=(none)") in lines, lines
+    # No GPU on the host: nothing is set.
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    code, lines, _ = _launch(tmp_path / "none", "import os; assert 'CUDA_VISIBLE_DEVICES' not "
+                             "in os.environ", workers=2, gpus=[], env=env)
+    assert code == 0, lines

@@ -88,6 +88,11 @@ flags.DEFINE_list("memory_cap_jobs", None,
                   "The jobs whose tasks --memory_cap caps (default: all), e.g. worker: with "
                   "--coordinator the chief runs the program and holds no device, like a "
                   "host beside its accelerators.")
+flags.DEFINE_integer("gpus_per_task", None,
+                     "GPUs each worker task sees (CUDA_VISIBLE_DEVICES, round-robin over "
+                     "this host's: CUDA_VISIBLE_DEVICES, else nvidia-smi's list); the chief, "
+                     "ps and tf.data service tasks see none. Default: the GPUs split evenly "
+                     "over the workers. 0: leave CUDA_VISIBLE_DEVICES as it is.")
 flags.DEFINE_bool("slurm", False,
                   "Run the command as this Slurm task (under srun), with the TF_CONFIG that "
                   "TensorFlow's SlurmClusterResolver builds from the Slurm environment.")
@@ -131,7 +136,8 @@ def main(argv):
                             max_restarts=FLAGS.max_restarts, data_service=FLAGS.data_service,
                             timeout_seconds=FLAGS.timeout or None,
                             coordinator=FLAGS.coordinator, memory_cap=memory_cap,
-                            memory_cap_jobs=FLAGS.memory_cap_jobs)
+                            memory_cap_jobs=FLAGS.memory_cap_jobs,
+                            gpus_per_task=FLAGS.gpus_per_task)
     except ValueError as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from tfpar.cluster import memory_cgroup, memory_probe
+from tfpar.cluster import gpu_assignment, memory_cgroup, memory_probe
 from tfpar.cluster.data_service import DATA_SERVICE_ENV
 from tfpar.cluster.tf_config import ClusterConfig
 
@@ -257,12 +257,16 @@ class Launcher:
       coordinator: add a chief that runs `command` while the workers serve (without `ps`:
         the workers hold what the chief places on their devices, e.g. the stages of
         `tfpar.PipelineStrategy(cluster_resolver=...)`).
+      gpus_per_task: GPUs each worker task sees (CUDA_VISIBLE_DEVICES, round-robin over
+        the host's); the chief, ps and tf.data service tasks see none. None: the host's
+        GPUs split evenly over the workers; 0: CUDA_VISIBLE_DEVICES left as it is.
+      gpus: the host's GPU ids (default: `gpu_assignment.visible_gpus` of `env`).
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
                  max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False,
-                 memory_cap=None, memory_cap_jobs=None):
+                 memory_cap=None, memory_cap_jobs=None, gpus_per_task=None, gpus=None):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -300,6 +304,12 @@ class Launcher:
         self.server_command = list(server_command)
         self.max_restarts = max_restarts
         self.env = task_environment(env)
+        # Task name -> its CUDA_VISIBLE_DEVICES ({}: left as the launcher's).
+        self.gpus = gpu_assignment.assign(
+            [f"{job}:{i}" for job, addresses in self.cluster.items()
+             for i in range(len(addresses))],
+            gpu_assignment.visible_gpus(self.env) if gpus is None else list(gpus),
+            gpus_per_task)
         self.data_service = None  # The dispatcher's address, "grpc://host:port".
         if data_service:
             # gRPC binds with SO_REUSEPORT by default: these ports are held too.
@@ -342,6 +352,8 @@ class Launcher:
     def _start_data_service(self):
         """Starts the dispatcher and its workers; returns the dispatcher's task."""
         env = {k: v for k, v in self.env.items() if k != "TF_CONFIG"}
+        if self.gpus:
+            env[gpu_assignment.ENV] = ""  # The workers' GPUs are theirs.
         dispatcher_port, *worker_ports = self._data_service_ports
         dispatcher = self._track(Task(None, [*DATA_SERVICE_COMMAND, "--role=dispatcher",
                                              f"--port={dispatcher_port}"],
@@ -390,7 +402,9 @@ class Launcher:
         """Starts every cluster task; returns (user tasks, fatal tasks, restartable tasks)."""
         user_tasks, fatal_tasks, restartable = [], [], []
         for config, command, runs_user_code, fatal, can_restart in self._plan():
-            task = self._track(Task(config, command, self.env, self._output,
+            env = self.env if config.task_name not in self.gpus else {
+                **self.env, gpu_assignment.ENV: self.gpus[config.task_name]}
+            task = self._track(Task(config, command, env, self._output,
                                     cgroup=self._cgroup_of(config.task_name)))
             if runs_user_code:
                 user_tasks.append(task)
@@ -451,6 +465,9 @@ class Launcher:
         return self._start_cluster()
 
     def _run(self):
+        if self.gpus:
+            self._output("[launcher] CUDA_VISIBLE_DEVICES per task: " + ", ".join(
+                f"{name}={gpus or '(none)'}" for name, gpus in self.gpus.items()))
         dispatcher = self._start_data_service() if self.data_service else None
         data_service_workers = self.tasks[1:]
         user_tasks, fatal_tasks, restartable = self._start_cluster()

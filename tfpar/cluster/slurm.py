@@ -33,7 +33,7 @@ STEP_VARIABLES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
                   "SLURM_STEP_TASKS_PER_NODE")
 # `tfpar launch` flags that only apply to the local launcher.
 LOCAL_FLAGS = ("ps", "coordinator", "host", "report_seconds", "max_restarts", "data_service",
-               "network", "timeout", "memory_cap")
+               "network", "timeout", "memory_cap", "gpus_per_task")
 EXAMPLE = "srun --ntasks-per-node=1 tfpar launch --slurm -- python train.py"
 
 
