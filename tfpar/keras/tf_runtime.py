@@ -118,15 +118,16 @@ def collective_options(**options):
     return internals.symbol("tensorflow.python.distribute.collective_util.Options")(**options)
 
 
-def ring_all_reduce(devices, bytes_per_pack, keys):
-    """TensorFlow's `CollectiveAllReduce` cross-device ops over `devices` (ring), packing
+def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
+    """TensorFlow's `CollectiveAllReduce` cross-device ops over `devices` (ring; "nccl":
+    the collective's NCCL implementation, which also runs across processes), packing
     tensors into about `bytes_per_pack` bytes (0: one collective per tensor), its
     instance keys drawn from `keys` (a `CollectiveKeys`)."""
     return internals.symbol("tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
         devices=devices,
         group_size=len(devices),
         options=collective_options(bytes_per_pack=bytes_per_pack,
-                                   implementation=collective_implementation("ring")),
+                                   implementation=collective_implementation(implementation)),
         collective_keys=keys)
 
 

@@ -245,6 +245,45 @@ def test_nccl_is_chosen_for_gpu_stages():
     assert cpu[0].communication == "reduce_to_one"
 
 
+def test_a_stage_whose_copies_live_in_several_processes_reduces_by_peer_collectives(
+        monkeypatch):
+    """Issue 36: TensorFlow's in-process NCCL ops (NcclAllReduce) and a root device
+    (ReductionToOneDevice) cannot reduce the copies of a stage on several worker
+    processes: its GPUs get the collective's NCCL implementation, its CPUs the ring.
+    (No cluster here: the collectives asked for are recorded, not built; the CPU ring runs
+    for real in test_pipeline_cluster.py.)"""
+    from tensorflow.python.distribute import cross_device_utils
+
+    from tfpar.keras import tf_runtime
+
+    built = []
+    monkeypatch.setattr(tf_runtime, "ring_all_reduce",
+                        lambda devices, packs, keys, implementation="ring": built.append(
+                            (tuple(devices), implementation)) or implementation)
+    gpu = "/job:worker/replica:0/task:{}/device:GPU:0"
+    cpu = "/job:worker/replica:0/task:{}/device:CPU:0"
+    for device, name in ((gpu, "nccl"), (cpu, "ring")):
+        # Replica r's stage s on worker task 2r + s (R=2 x K=2, a stage per process).
+        grid = [[device.format(0), device.format(1)], [device.format(2), device.format(3)]]
+        built.clear()
+        reductions = pipeline_lib.stage_reductions(grid, cross_device_utils.CollectiveKeys())
+        assert [(r.communication, r.ops) for r in reductions] == [(name, name)] * 2
+        assert built == [((device.format(0), device.format(2)), name),
+                         ((device.format(1), device.format(3)), name)]
+
+
+def test_a_root_device_reduction_over_several_processes_is_refused():
+    from tensorflow.python.distribute import cross_device_utils
+
+    from tfpar.distribute.common.cross_device import make_cross_device_ops
+
+    devices = ("/job:worker/replica:0/task:0/device:CPU:0",
+               "/job:worker/replica:0/task:1/device:CPU:0")
+    for communication in ("reduce_to_one", "hierarchical"):
+        with pytest.raises(ValueError, match="reduce by collectives only"):
+            make_cross_device_ops(communication, devices, cross_device_utils.CollectiveKeys())
+
+
 def test_batchnorm_and_dropout_train_and_remat_replays_the_same_masks(data):
     x, y = data
 

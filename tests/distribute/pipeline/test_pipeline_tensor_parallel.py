@@ -309,6 +309,10 @@ def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     graph = reduce.get_concrete_function(tf.TensorSpec([4]), tf.TensorSpec([4])).graph
     (nccl,) = [op for op in graph.get_operations() if op.type == "NcclReduce"]
     assert nccl.device == gpus[0] and len(nccl.inputs) == 2
+    # GPUs of two processes: never TensorFlow's in-process NCCL op (it would hang).
+    remote = ["/job:worker/replica:0/task:0/device:GPU:0",
+              "/job:worker/replica:0/task:1/device:GPU:0"]
+    assert tp.communication_of(remote) == "reduce_to_one"
 
 
 def test_contradictory_or_unsupported_arguments_are_refused_at_construction():

@@ -6,8 +6,17 @@ from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
 
 
+def spans_tasks(devices):
+    """Whether canonical `devices` belong to more than one process (task)."""
+    return len({d.split("/device:")[0] for d in devices}) > 1
+
+
 def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0):
     """Returns a `tf.distribute.CrossDeviceOps` for a concrete communication.
+
+    Over devices of several processes only collectives reduce (TensorFlow's in-process
+    NCCL ops and a root device are never used there): "nccl" is the collective's NCCL
+    implementation, "ring" its ring; anything else is refused.
 
     Args:
       communication: a concrete choice from `tfpar.plan.communication`
@@ -18,6 +27,12 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
       bytes_per_pack: for "ring", concatenate gradients into packs of about this
         many bytes (0: one collective per tensor).
     """
+    if spans_tasks(devices):
+        if communication not in comm.MULTI_WORKER:
+            raise ValueError(f"Devices of several processes reduce by collectives only, not "
+                             f"{communication!r}: {', '.join(devices)}.")
+        return tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys,
+                                          implementation=communication)
     if communication == comm.NCCL:
         return tf.distribute.NcclAllReduce()
     if communication == comm.HIERARCHICAL:
