@@ -77,7 +77,7 @@ def replica_id():
 def replica_in_sync():
     """The current replica's index among all replicas of all workers, as a Python int
     (in replica context)."""
-    value = tf.distribute.getreplica_context().replica_id_in_sync_group
+    value = tf.distribute.get_replica_context().replica_id_in_sync_group
     return value if isinstance(value, int) else int(tf.get_static_value(value))
 
 
