@@ -180,6 +180,9 @@ def test_pipeline_replicas_with_zero_3_train_on_four_worker_processes_as_one_dev
     weight and its Adam slots live on one worker, its owner among its stage's two."""
     result = hybrids["zero3"]
     assert result["difference"] < 1e-5, result
+    # Each stage's two copies (on two processes) reduce by a ring of peer collectives, not
+    # on one root device (issue 36).
+    assert result["stage_communication"] == {"0": "ring", "1": "ring"}, result
     assert result["stage_devices"] == [[WORKER.format(0), WORKER.format(1)],
                                        [WORKER.format(2), WORKER.format(3)]]
     stage_tasks = [{0, 2}, {1, 3}]  # Stage s of replica r is on task 2r + s.
@@ -202,6 +205,7 @@ def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_
     on each replica's first; every Adam slot one owner."""
     result = hybrids["tp_zero1"]
     assert result["difference"] < 1e-5, result
+    assert set(result["stage_communication"].values()) == {"ring"}, result
     for path, devices in result["weights"].items():
         split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
         assert sorted(map(_task, devices)) == ([0, 1, 2, 3] if split else [0, 2]), path

@@ -357,7 +357,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
 
     @property
     def communication(self):
-        """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs)."""
+        """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs; "ring"
+        across processes on CPUs)."""
         return self.extended.stage_communication
 
     def _tfpar_memory_config(self, optimizer_slots=2):
