@@ -498,7 +498,7 @@ def _accumulate(self, context, grads, trainable_variables):
         gradient_clipping.clip_groups(context.strategy, trainable_variables))
     variables = [v.value for v in trainable_variables]
 
-    def in_crossreplica_context(strategy, sums, updates):
+    def in_cross_replica_context(strategy, sums, updates):
         extended = strategy.extended
         iterations = internals.attr(self, "_iterations")
         is_update_step = (tf.convert_to_tensor(iterations) + 1) % steps == 0

@@ -147,10 +147,10 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
     def _build_extended(self, devices, communication, bytes_per_pack, timeout_seconds):
         resolved = devices_lib.resolve_devices(devices)
-        self.communication = communication if communication not in COMMUNICATIONS \
-            else select_communication(  # (Else the class of the user's cross_device_ops.)
-                communication, [devices_lib.device_type(d) for d in resolved],
-                physical_gpus=devices_lib.physical_gpus_of(resolved))
+        given = self._given_cross_device_ops is not None and communication not in COMMUNICATIONS
+        self.communication = communication if given else select_communication(
+            communication, [devices_lib.device_type(d) for d in resolved],
+            physical_gpus=devices_lib.physical_gpus_of(resolved))  # (Given: its class name.)
         bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         if bytes_per_pack and self.communication != "ring":
             raise ValueError(
