@@ -267,8 +267,8 @@ def test_cross_device_ops_tfpar_has_no_name_for_are_used_as_given():
     assert strategy.communication == "Counting"
     got = _trained_weights(strategy)
     assert Counting.calls >= 1  # fit's gradients were summed by it.
-    # (Compared with tfpar's own reduction: two stock MirroredStrategy objects of one
-    # process share collective keys.)
+    # (Compared with tfpar's own reduction: a stock MirroredStrategy with its default ops,
+    # made after the other tests' strategies, failed with a collective key clash.)
     for got, want in zip(got, _trained_weights(tfpar.DataParallelStrategy(cpus(2)))):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="cannot use Counting as given. Pass communication="):
