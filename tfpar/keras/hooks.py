@@ -31,6 +31,31 @@ def _replace(owner, name, value):
     setattr(owner, name, value)
 
 
+# The Keras seam's own marks on Keras and TensorFlow objects, set and read by name (the
+# runtime's are `tfpar.contract.MARKS`; `tests/test_contract.py` finds every `_tfpar_`
+# name in one of them or among the declared hooks). A wrapper's marker says it is tfpar's
+# (`_wrap_once`); the other marks carry state on the object they mark.
+SEAM_MARKS = {
+    "_tfpar_weights_through_a_file": "wrapper: Keras' saving memory check (sharded state)",
+    "_tfpar_saved_whole": "wrapper: BackupAndRestore._save_model saving sharded state whole",
+    "_tfpar_finishing_backups": "wrapper: BackupAndRestore.on_train_begin",
+    "_tfpar_chief_only": "wrapper: a callback's writes, on the chief only",
+    "_tfpar_restored_by_the_chief": "wrapper: BackupAndRestore._load_model across workers",
+    "_tfpar_explains_cluster_errors": "wrapper: a Trainer method naming a lost peer",
+    "_tfpar_sharded": "wrapper: an optimizer or saving method under ZeRO",
+    "_tfpar_variable_birth": "wrapper: where a Keras variable's storage is made",
+    "_tfpar_model_call_hook": "wrapper: keras.Model.__call__ (the strategy's model hook)",
+    "_tfpar_train_step_hook": "wrapper: keras.Model.train_step (the strategy's step hook)",
+    "_tfpar_mesh": "wrapper: a Keras function run by keras.distribution on TensorFlow",
+    "_tfpar_exclusive": "wrapper: a metric's update_state, under its lock (parameter servers)",
+    "_tfpar_batch_sum": "a loss: it sums over the batch (a replica's part adds up as is)",
+    "_tfpar_replica_losses": "a layer: its call losses kept per replica",
+    "_tfpar_ps_steps": "a model: its parameter-server step functions, by compiled state",
+    "_tfpar_regathered": "a layer: gathers its weights again for its backward pass (ZeRO-3)",
+    "_tfpar_distribution": "a mesh variable: the keras.distribution it was made under",
+}
+
+
 def _wrap_once(owner, name, wrap, marker):
     """Replaces `owner.name` by `wrap(original)` unless already done (the wrapper carries
     the attribute `marker`). Thread-safe. `(owner, name)` is listed in internals.WRAPS, and a

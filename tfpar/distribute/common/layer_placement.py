@@ -85,7 +85,7 @@ class PlacingStrategy(StrategyHooks):
     # Called by the Keras seam for each model created under this scope.
     def _tfpar_model_created(self, model):
         with self._lock:
-            created = self.__dict__.setdefault("_tfpar_models", [])
+            created = self.__dict__.setdefault("_placed_models", [])
             created[:] = [m for m in created if m() is not None]
             created.append(weakref.ref(model))
 
@@ -122,7 +122,7 @@ class PlacingStrategy(StrategyHooks):
     def _owner_of(self, variable):
         """The outermost unplaced, built model created under this scope that holds
         `variable` (the last one created if several), or None."""
-        owners = [model for model in (ref() for ref in self.__dict__.get("_tfpar_models", ()))
+        owners = [model for model in (ref() for ref in self.__dict__.get("_placed_models", ()))
                   if model is not None and getattr(model, "_tfpar_placed_by", None) is None
                   and is_built(model) and any(v is variable for v in model.variables)]
         # Models inside another (a Sequential's own functional model too) are left out.

@@ -124,14 +124,14 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
-        self._tfpar_regathered = set()  # ids of the models made to regather.
+        self._dp_regathered_models = set()  # ids of the models made to regather.
         if self.reshard_after_forward:
             keras_hooks.install_model_call_hook()
-        self._tfpar_cluster_resolver = (
+        self._dp_cluster_resolver = (
             cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver())
         # Under shard=..., tfpar packs gradients itself (in these buckets), whatever the
         # reduction.
-        self._tfpar_bucket_bytes = check_bytes_per_pack(
+        self._zero_bucket_bytes = check_bytes_per_pack(
             bytes_per_pack, default=sharding.DEFAULT_BUCKET_BYTES)
         extended = self._build_extended(
             devices, communication, None if self._tfpar_shard_stage else bytes_per_pack,
@@ -179,7 +179,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         and id None), where a stock `MirroredStrategy` has None: programs written for
         several workers ask it who saves (`task_type in (None, "chief")`).
         """
-        return self._tfpar_cluster_resolver
+        return self._dp_cluster_resolver
 
     def _tfpar_xla_refusal(self, model):
         # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
@@ -192,14 +192,14 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
             "sharded" if self.shard else "data", self.num_replicas_in_sync, shard=self.shard,
             optimizer_slots=optimizer_slots,
             reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3,
-            gradient_window_bytes=self._tfpar_bucket_bytes
+            gradient_window_bytes=self._zero_bucket_bytes
             if sharded.paces_gradients(self) else 0)
 
     def _tfpar_before_model_call(self, model, args, kwargs):
         # Asked by the Keras seam before a model made under this strategy runs.
-        if self.reshard_after_forward and id(model) not in self._tfpar_regathered:
+        if self.reshard_after_forward and id(model) not in self._dp_regathered_models:
             keras_sharded.regather_in_backward(model)
-            self._tfpar_regathered.add(id(model))
+            self._dp_regathered_models.add(id(model))
 
     def memory_report(self, model, optimizer=None):
         """Bytes each replica's device holds for training `model` (a built model; after a
@@ -210,7 +210,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         devices = self.extended.worker_devices
         stage = self._tfpar_shard_stage
         sizes = [memory.num_bytes(v) for v in model.trainable_weights]
-        shard = self._tfpar_step_shapes.gradient_bytes or max(self._tfpar_shard_owners.loads)
+        shard = self._zero_step_shapes.gradient_bytes or max(self._tfpar_shard_owners.loads)
         gradients = [sum(sizes) if stage < 2 else shard] * len(devices)
         # Stage 3: the largest variable a replica reads from another owner.
         held = [memory.resident_bytes(self, [v], devices) for v in model.trainable_weights]
@@ -232,8 +232,8 @@ class _DataParallelExtended(sharded.OwnerPlacedVariables, tf_runtime.mirrored_ex
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack,
                  given_ops=None):
-        self._tfpar_communication = communication
-        self._tfpar_bytes_per_pack = bytes_per_pack
+        self._dp_communication = communication
+        self._dp_bytes_per_pack = bytes_per_pack
         self._given_cross_device_ops = given_ops  # A user's cross_device_ops, used as given.
         super().__init__(container_strategy, devices=devices)
 
@@ -241,8 +241,8 @@ class _DataParallelExtended(sharded.OwnerPlacedVariables, tf_runtime.mirrored_ex
         super()._initialize_strategy(devices)
         tf_runtime.set_cross_device_ops(
             self, self._given_cross_device_ops or make_cross_device_ops(
-                self._tfpar_communication, tf_runtime.replica_devices(self),
-                tf_runtime.collective_keys(self), self._tfpar_bytes_per_pack))
+                self._dp_communication, tf_runtime.replica_devices(self),
+                tf_runtime.collective_keys(self), self._dp_bytes_per_pack))
 
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
@@ -290,7 +290,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
             implementation=multi_worker.implementation(self.communication))
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
         return multi_worker.MultiWorkerExtended(
-            self, cluster_resolver=self._tfpar_cluster_resolver,
+            self, cluster_resolver=self._dp_cluster_resolver,
             communication_options=self._worker_options)
 
     def _install_keras_hooks(self):
@@ -306,16 +306,16 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
 
     def _join_workers(self):
         """Every worker made the same strategy (checked through the cluster)."""
-        self._tfpar_cluster = multi_worker.Peers(self._tfpar_cluster_resolver)
-        self._tfpar_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
-        self._tfpar_backups = 0  # Backups resumed from (sharded), numbered alike.
+        self._dp_peers = multi_worker.Peers(self._dp_cluster_resolver)
+        self._dp_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
+        self._dp_backups = 0  # Backups resumed from (sharded), numbered alike.
         rendezvous.check_same_strategies(
-            self._tfpar_cluster, group_keys.cluster_index(self._collective_key_base),
+            self._dp_peers, group_keys.cluster_index(self._collective_key_base),
             f"{self!r} bytes_per_pack={self._worker_options.bytes_per_pack}/"
-            f"{self._tfpar_bucket_bytes}", self._tfpar_check_seconds)
+            f"{self._zero_bucket_bytes}", self._dp_check_seconds)
 
     @property
-    def _tfpar_check_seconds(self):
+    def _dp_check_seconds(self):
         # How long a worker waits for the others to make the same strategy or dataset.
         return min(self.timeout_seconds, multi_worker.STRATEGY_CHECK_SECONDS)
 
@@ -326,9 +326,9 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
 
     def _tfpar_check_backup_everywhere(self, path):
         # Asked by the Keras seam before a sharded run resumes from a backup.
-        self._tfpar_backups += 1
-        rendezvous.check_backup_everywhere(self._tfpar_cluster, f"backup/{self._tfpar_backups}",
-                                           path, self._tfpar_check_seconds)
+        self._dp_backups += 1
+        rendezvous.check_backup_everywhere(self._dp_peers, f"backup/{self._dp_backups}",
+                                           path, self._dp_check_seconds)
 
     def _tfpar_broadcast_from_chief(self, variables):
         # Asked by the Keras seam when BackupAndRestore resumes: the chief restored.
@@ -336,16 +336,16 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
 
     def _tfpar_explain_timeout(self, error):
         # Asked by the Keras seam when fit, evaluate or predict ends with a timed-out collective.
-        return rendezvous.explain_timeout(error, self._tfpar_cluster, self.timeout_seconds)
+        return rendezvous.explain_timeout(error, self._dp_peers, self.timeout_seconds)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """As stock; workers whose datasets differ in length finish an epoch together."""
-        self._tfpar_datasets += 1
-        key = f"dataset/{self._tfpar_datasets}"
+        self._dp_datasets += 1
+        key = f"dataset/{self._dp_datasets}"
 
         def longest_of_all(length):
-            return rendezvous.longest(self._tfpar_cluster, key, length,
-                                      self._tfpar_check_seconds)
+            return rendezvous.longest(self._dp_peers, key, length,
+                                      self._dp_check_seconds)
         return super().distribute_datasets_from_function(
             multi_worker.joined(dataset_fn, longest_of_all), options)
 

@@ -297,7 +297,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             _PipelineExtended(self, self._grid, reduction_grid, replica_devices))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
-        self._tfpar_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
+        self._zero_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
         sharded.set_up(self, num_replicas, lambda: sharded.ShardCollectives("all_reduce"),
                        group_of=mirrored_placement.devices_of)
         keras_hooks.install_variable_births()
