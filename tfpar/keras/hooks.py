@@ -322,11 +322,11 @@ def _explaining_cluster_errors(method):
         except tf.errors.OpError as error:
             # A timed-out collective (multi-worker strategies), or a lost task that held
             # part of the model (a pipeline's stage worker): the strategy says which.
-            names = ["_tfpar_explain_lost_task"]
+            hooks = hooks_of(self.distribute_strategy)
+            explainers = [hooks._tfpar_explain_lost_task]
             if isinstance(error, tf.errors.DeadlineExceededError):
-                names.insert(0, "_tfpar_explain_timeout")
-            for name in names:
-                explain = getattr(self.distribute_strategy, name, None)
+                explainers.insert(0, hooks._tfpar_explain_timeout)
+            for explain in explainers:
                 explained = explain(error) if explain is not None else None
                 if explained is not None:
                     raise explained from error
