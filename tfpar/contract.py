@@ -106,6 +106,8 @@ MARKS = {
     "_tfpar_weight_versions": "a pipelined model: its older weights (two weight versions)",
     "_tfpar_colocated_with": "a pipeline's optimizer state: the variable whose devices it follows",
     "_tfpar_written": "a MeshVariable: its value written in the graph being traced",
+    "_tfpar_pins_device": "the class tfpar.layers.OnDevice: its layers keep their "
+                          "variables on the device they name",
     "_tfpar_axes": "a MeshVariable: the mesh axis each of its dimensions is split over",
     "_tfpar_runtime": "a MeshVariable: the mesh runtime that laid it out",
 }

@@ -37,6 +37,9 @@ class OnDevice(keras.layers.Wrapper):
       '/job:localhost/replica:0/task:0/device:CPU:0'
     """
 
+    _tfpar_pins_device = True  # Read by the Keras seam (a pipeline's stages), which does
+    # not import this runtime-bound layer.
+
     def __init__(self, layer, device, **kwargs):
         missing_device = kwargs.pop("_missing_device", "raise")
         super().__init__(layer, **kwargs)
