@@ -93,6 +93,10 @@ class StrategyHooks:
     # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
     # loss counts until they are summed (`tfpar.distribute.parameter_server.ps_sync.SyncGradients`).
     _tfpar_sync_gradients = None
+    # Set by ZeRO's set_up (`tfpar.distribute.zero.zero_sharding.StepShapes`), written by its
+    # step: the gradient bytes a replica reduces per step, read by the strategy's memory
+    # report.
+    _tfpar_step_shapes = None
 
 
 # tfpar's own attributes on Keras and TensorFlow objects (models, layers, variables) that

@@ -210,7 +210,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         devices = self.extended.worker_devices
         stage = self._tfpar_shard_stage
         sizes = [memory.num_bytes(v) for v in model.trainable_weights]
-        shard = self._zero_step_shapes.gradient_bytes or max(self._tfpar_shard_owners.loads)
+        shard = self._tfpar_step_shapes.gradient_bytes or max(self._tfpar_shard_owners.loads)
         gradients = [sum(sizes) if stage < 2 else shard] * len(devices)
         # Stage 3: the largest variable a replica reads from another owner.
         held = [memory.resident_bytes(self, [v], devices) for v in model.trainable_weights]

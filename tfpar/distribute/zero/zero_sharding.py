@@ -486,7 +486,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
             _apply_owned(optimizer, owned, learning_rate, accumulation, steps.InTurn())
         finally:
             _update.running = False
-        strategy._zero_step_shapes.gradient_bytes = sum(num_bytes(variables[i]) for i in mine)
+        strategy._tfpar_step_shapes.gradient_bytes = sum(num_bytes(variables[i]) for i in mine)
         return
     ordinals = [strategy._tfpar_shard_owners.ordinal_of(v) for v in variables]
     # A replica's own copy of a mirrored variable (among this worker's copies); a stage-3
@@ -544,7 +544,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                 apply_and_share(mine, groups, dtype)
     _pace_gradients(grads, [(i, op, num_bytes(variables[i])) for i, op in transfers],
                     bucket_bytes)
-    strategy._zero_step_shapes.gradient_bytes = gradient_bytes
+    strategy._tfpar_step_shapes.gradient_bytes = gradient_bytes
 
 
 def _update_groups(owners, variables):
@@ -896,7 +896,7 @@ def set_up(strategy, num_replicas, collectives, group_of=None):
     under shard=... (`strategy._tfpar_shard_stage`) Keras' optimizers sharded and the
     collectives `collectives()` makes (a `ShardCollectives`)."""
     strategy._tfpar_shard_owners = ShardOwners(num_replicas, group_of)
-    strategy._zero_step_shapes = StepShapes()
+    strategy._tfpar_step_shapes = StepShapes()
     if strategy._tfpar_shard_stage:
         keras_hooks.install_sharded_optimizers()
         strategy._tfpar_shard_collectives = collectives()
