@@ -86,6 +86,11 @@ def task_of(device):
     return f"/job:{spec.job}/replica:{spec.replica}/task:{spec.task}"
 
 
+def spans_tasks(devices):
+    """Whether `devices` belong to more than one process (task)."""
+    return len({task_of(d) for d in devices}) > 1
+
+
 def host_of(device):
     """The CPU of `device`'s task ('/job:worker/replica:0/task:1/device:CPU:0' for that
     task's GPU:0): where the host memory next to a device is. A CPU's host is its task's

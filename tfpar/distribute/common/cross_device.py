@@ -2,13 +2,9 @@
 
 import tensorflow as tf
 
+from tfpar import devices as devices_lib
 from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
-
-
-def spans_tasks(devices):
-    """Whether canonical `devices` belong to more than one process (task)."""
-    return len({d.split("/device:")[0] for d in devices}) > 1
 
 
 def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0):
@@ -27,7 +23,7 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
       bytes_per_pack: for "ring", concatenate gradients into packs of about this
         many bytes (0: one collective per tensor).
     """
-    if spans_tasks(devices):
+    if devices_lib.spans_tasks(devices):
         if communication not in comm.MULTI_WORKER:
             raise ValueError(f"Devices of several processes reduce by collectives only, not "
                              f"{communication!r}: {', '.join(devices)}.")

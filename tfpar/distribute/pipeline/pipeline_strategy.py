@@ -55,7 +55,7 @@ from tfpar import devices as devices_lib
 from tfpar.distribute.common import device_memory as memory
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import layer_timing
-from tfpar.distribute.common.cross_device import make_cross_device_ops, spans_tasks
+from tfpar.distribute.common.cross_device import make_cross_device_ops
 from tfpar.distribute.common.layer_placement import PlacingStrategy, claim_model, mark_placed
 from tfpar.distribute.common.placed_call import canonical_device
 from tfpar.distribute.pipeline import execution as pipeline_exec
@@ -806,7 +806,7 @@ def stage_reductions(grid, collective_keys):
         # A stage's copies on several processes: peer collectives (ring, or NCCL's on GPUs).
         communication = select_communication(
             "auto", [devices_lib.device_type(d) for d in devices],
-            multi_worker=spans_tasks(devices),
+            multi_worker=devices_lib.spans_tasks(devices),
             physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
         reductions.append(StageReduction(devices, communication, make_cross_device_ops(
             communication, devices, collective_keys)))

@@ -36,12 +36,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.distribute.common.cross_device import spans_tasks
 from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import PlacementError
 from tfpar.keras import models
 from tfpar.keras import split_variables as keras_tp
-from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
 from tfpar.plan.communication import select_communication
 
@@ -307,7 +305,7 @@ def communication_of(devices):
     else "reduce_to_one" (an add on the first device; also over devices of several
     processes, where TensorFlow's in-process NCCL ops cannot run: a sum by collectives
     there is issue 36's open item)."""
-    if spans_tasks([tf_runtime.canonical_device(d) for d in devices]):
+    if devices_lib.spans_tasks(devices):
         return "reduce_to_one"
     return select_communication(
         "auto", [devices_lib.device_type(d) for d in devices],
