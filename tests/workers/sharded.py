@@ -5,8 +5,9 @@ optimizer of `--optimizers` trains a model of its own under it, in turn.)
 For each optimizer: fit 2 epochs with a BackupAndRestore kept on disk and a ModelCheckpoint
 of each epoch (<out>/<shard>-<optimizer>-<epoch>.keras), save the weights and the model
 (`save_weights`, `model.save`: the chief to <out>, the others to a temporary path, as every
-worker must save sharded state together), then resume a fresh model from the backup for a
-third epoch.
+worker must save sharded state together) and Keras' sharded weights
+(<out>/<shard>-<optimizer>.weights.json, every worker the same path: each writes the state it
+owns), then resume a fresh model from the backup for a third epoch.
 Writes <out>/<task>-<shard>-<optimizer>.npz (weights after 2 and 3 epochs, then the
 resumed model's predictions) and .json (bytes held, the resumed model's evaluated loss).
 """
@@ -55,6 +56,9 @@ def main(out, backups, shard, optimizers, bytes_per_pack):
         where = out if chief else tempfile.mkdtemp()
         model.save_weights(os.path.join(where, f"{shard}-{optimizer}.weights.h5"))
         model.save(os.path.join(where, f"{shard}-{optimizer}.keras"))
+        # Keras' sharded format: every worker the same path, each writing what it owns.
+        model.save_weights(os.path.join(out, f"{shard}-{optimizer}.weights.json"),
+                           max_shard_size=1)
         resumed = fit(3)  # From the backup of epoch 2: one more epoch.
         # (Under shard="parameters" get_weights fetches each variable from its owner: every
         # worker asks, in the same order.)

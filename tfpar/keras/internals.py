@@ -38,6 +38,11 @@ SYMBOLS = {
     "keras.src.backend.common.symbolic_scope.in_symbolic_scope": "skip shape inference",
     "keras.src.saving.saving_lib":
         "is_memory_sufficient wrapped: a tfpar model's .keras weights go through a file",
+    "keras.src.saving.saving_lib._save_state":
+        "Keras' own walk of a model's state, into the store of a sharded save by its owners",
+    "keras.src.saving.saving_lib.ShardedH5IOStore":
+        "subclassed so that Keras' walk takes the owners' store (which keeps none of its state)",
+    "keras.src.saving.saving_lib.H5IOStore": "each owner's shard files, in Keras' h5 layout",
     "keras.src.backend.common.remat": "RematScope's layer calls under model.fit on TensorFlow",
     "keras.src.backend.common.masking.get_keras_mask": "keep masks across devices",
     "keras.src.backend.common.masking.set_keras_mask": "keep masks across devices",
@@ -215,6 +220,8 @@ WRAPS = {
     ("TensorFlowTrainer", "_aggregate_additional_loss"):
         "losses marked as batch sums are not scaled by replicas or micro-batch shares",
     ("keras.src.saving.saving_lib", "is_memory_sufficient"): "a tfpar model's weights via a file",
+    ("keras.src.saving.saving_lib", "save_weights_only"):
+        "ZeRO across workers: a sharded save ('*.weights.json') written by the owners",
     ("BackupAndRestore", "_save_model"): "backups committed whole; written by the chief only",
     ("BackupAndRestore", "_load_model"): "every worker takes the chief's restored state",
     ("BackupAndRestore", "on_train_begin"): "a committed backup finished after a kill",

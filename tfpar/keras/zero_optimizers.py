@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfpar.contract import hooks_of
 from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
+from tfpar.keras import owner_saving
 
 
 class OwnerStep:
@@ -261,6 +262,10 @@ def _saved_whole(keras_save):
 
     @functools.wraps(keras_save)
     def save_own_variables(self, store):
+        if owner_saving.is_owners_store(store):  # Each worker writes the state it owns.
+            for i, variable in enumerate(self.variables):
+                store[str(i)] = variable
+            return
         strategy = _remote_state(self)
         if strategy is None:
             return keras_save(self, store)
@@ -427,12 +432,14 @@ def patches():
     base = internals.symbol("keras.src.optimizers.base_optimizer.BaseOptimizer")
     optimizer = internals.symbol("keras.src.backend.tensorflow.optimizer.TFOptimizer")
     remat = internals.symbol("keras.src.backend.common.remat")
+    saving_lib = internals.symbol("keras.src.saving.saving_lib")
     internals.check(callable(getattr(remat, "remat", None)), "keras.src.backend.common.remat.remat")
     return [(remat, "remat", _remat_with_keyword_arguments),
             (base, "build", _built_for_shards),
             (base, "_update_model_variables_moving_average", _left_to_owners),
             (base, "finalize_variable_values", _finalized_by_owners),
             (base, "save_own_variables", _saved_whole),
+            (saving_lib, "save_weights_only", owner_saving.written_by_owners),
             (base, "load_own_variables", _loaded_where_owned),
             (optimizer, "_backend_update_step", _sharded_update_step),
             (optimizer, "_apply_weight_decay", _left_to_owners)]

@@ -337,6 +337,39 @@ def _resumes_under_other_strategies(path, shard, optimizer, one_device):
             np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=repr(strategy))
 
 
+def _value_bytes(file):
+    import h5py
+
+    sizes = []
+    with h5py.File(file, "r") as h5:
+        h5.visititems(lambda _, item: sizes.append(item.nbytes)
+                      if isinstance(item, h5py.Dataset) else None)
+    return sum(sizes)
+
+
+def _written_by_their_owners(directory, run, want):
+    """Keras' sharded weights written by the 2 workers (each the state it owns, nothing
+    twice) load in plain Keras on one device as the weights and optimizer state `want`."""
+    import keras
+
+    written = [0, 0]  # Bytes of values in each worker's files (file n: worker n % 2).
+    for file in directory.glob(f"{run}_*.weights.h5"):
+        written[int(file.name[len(run) + 1:][:5]) % 2] += _value_bytes(file)
+    total = sum(np.asarray(w).nbytes for w in want)
+    assert sum(written) == total, (written, total)
+    # Each worker writes its share: its slots, and its weights (under stage 3 it holds
+    # them; under stages 1 and 2 it owns their state); the chief also the step counter.
+    assert all(0 < w < 0.75 * total for w in written), (written, total)
+    loaded = common.model()
+    loaded.compile(common.optimizer(run.split("-", 1)[1]), common.loss())
+    loaded.optimizer.build(loaded.trainable_variables)
+    loaded.load_weights(directory / f"{run}.weights.json")
+    got = loaded.get_weights() + [v.numpy() for v in loaded.optimizer.variables]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=run)
+
+
 def _one_process_run(optimizer):
     """Weights after 2 epochs, the optimizer state then, and weights after a third."""
     x, y = common.data()
@@ -414,6 +447,7 @@ def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_p
                 np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=saved)
         assert sorted(p.name for p in tmp_path.glob(f"{run}-*.keras")) == [
             f"{run}-{epoch}.keras" for epoch in (1, 2, 3)]
+        _written_by_their_owners(tmp_path, run, want + state)
         if optimizer == OPTIMIZERS[-1]:
-            _resumes_under_other_strategies(tmp_path / f"{run}.weights.h5", shard, optimizer,
+            _resumes_under_other_strategies(tmp_path / f"{run}.weights.json", shard, optimizer,
                                             one_device)

@@ -43,7 +43,7 @@ def _get(key, timeout_seconds):
         return None
 
 
-def _exchange(peers, key, value, timeout_seconds, missing):
+def exchange(peers, key, value, timeout_seconds, missing):
     """Publishes this task's `value` under `key`; yields (peer, its value) for each peer.
 
     Raises:
@@ -87,7 +87,7 @@ def check_same_strategies(peers, index, description, timeout_seconds):
                 f"worker must make the same tfpar strategies in the same order: their "
                 f"collectives are matched by order, and a worker that made fewer would "
                 f"wait forever.")
-    for peer, theirs in _exchange(peers, f"strategy/{index}", mine, timeout_seconds, missing):
+    for peer, theirs in exchange(peers, f"strategy/{index}", mine, timeout_seconds, missing):
         theirs = json.loads(theirs)
         if theirs["strategy"] != description:
             raise ClusterError(
@@ -104,7 +104,7 @@ def longest(peers, key, length, timeout_seconds):
         return (f"{peer} made no dataset {key!r} within {timeout_seconds:g}s: every worker "
                 f"must call distribute_datasets_from_function as often as the others.")
     lengths = [int(length)] + [
-        int(theirs) for _, theirs in _exchange(peers, key, str(int(length)), timeout_seconds,
+        int(theirs) for _, theirs in exchange(peers, key, str(int(length)), timeout_seconds,
                                                missing)]
     for special in (tf.data.UNKNOWN_CARDINALITY, tf.data.INFINITE_CARDINALITY):
         if special in lengths:
@@ -118,7 +118,7 @@ def check_backup_everywhere(peers, key, path, timeout_seconds):
     def missing(peer):
         return f"{peer} did not say within {timeout_seconds:g}s whether it has a backup."
     mine = "1" if os.path.exists(path) else "0"
-    seen = {peers.me: mine, **dict(_exchange(peers, key, mine, timeout_seconds, missing))}
+    seen = {peers.me: mine, **dict(exchange(peers, key, mine, timeout_seconds, missing))}
     if len(set(seen.values())) > 1:
         without = sorted(name for name, has in seen.items() if has == "0")
         raise ClusterError(

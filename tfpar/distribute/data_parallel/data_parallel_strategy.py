@@ -13,6 +13,7 @@ from tfpar.distribute.common import rendezvous
 from tfpar.distribute.common.cross_device import make_cross_device_ops
 from tfpar.distribute.data_parallel import multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
+from tfpar.distribute.zero import owner_checkpoint
 from tfpar.distribute.zero import zero_sharding as sharded
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
@@ -309,6 +310,7 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         self._dp_peers = multi_worker.Peers(self._dp_cluster_resolver)
         self._dp_datasets = 0  # Made by distribute_datasets_from_function, numbered alike.
         self._dp_backups = 0  # Backups resumed from (sharded), numbered alike.
+        self._dp_saves = 0  # Sharded weights written by their owners, numbered alike.
         rendezvous.check_same_strategies(
             self._dp_peers, group_keys.cluster_index(self._collective_key_base),
             f"{self!r} bytes_per_pack={self._worker_options.bytes_per_pack}/"
@@ -329,6 +331,15 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         self._dp_backups += 1
         rendezvous.check_backup_everywhere(self._dp_peers, f"backup/{self._dp_backups}",
                                            path, self._dp_check_seconds)
+
+    def _tfpar_owner_checkpoint(self):
+        # Asked by the Keras seam when a model is saved in Keras' sharded format: under
+        # shard=... each worker writes the state it owns.
+        if not self._tfpar_shard_stage:
+            return None
+        self._dp_saves += 1
+        return owner_checkpoint.OwnerCheckpoint(self, self._dp_peers, self._dp_check_seconds,
+                                                self._dp_saves)
 
     def _tfpar_broadcast_from_chief(self, variables):
         # Asked by the Keras seam when BackupAndRestore resumes: the chief restored.

@@ -90,6 +90,10 @@ class ShardOwners:
                     self._own(key, self._take(num_bytes(variable), group), group)
         return self._owner[key]
 
+    def owner_if_known(self, variable):
+        """`variable`'s owner replica if it was given one, else None (gives none)."""
+        return self._owner.get(id(variable))
+
     def group_devices(self, variable):
         """The devices of `variable`'s group, one per replica (None without groups)."""
         self.owner_of(variable)

@@ -1,0 +1,220 @@
+"""Keras' sharded weights format written by the owners of the state, in parallel.
+
+Under ZeRO across workers, `model.save_weights("<dir>/<name>.weights.json",
+max_shard_size=...)`, called on every worker with the same path, writes Keras' own sharded
+format: each worker writes the variables it owns (the strategy's `_tfpar_owner_checkpoint`
+plan says which) into shard files of its own (`<name>_<n>.weights.h5`, n modulo the number
+of workers: the worker), and
+the chief writes the weight map (`<name>.weights.json`) once every worker's files are
+written: the map's presence means the checkpoint is whole. Nothing is gathered, nothing
+written twice. `model.load_weights` reads it, and so does plain Keras on one device
+(Keras >= 3.11, which reads a layer's variables from several files).
+
+    >>> # On every worker, the same path, on a filesystem every worker writes to:
+    >>> # model.save_weights("/shared/run/model.weights.json", max_shard_size=2)  # GB
+"""
+
+import functools
+import json
+import os
+import pathlib
+
+from tfpar.contract import hooks_of
+from tfpar.errors import ClusterError
+from tfpar.keras import internals
+
+# The first Keras release whose sharded reader takes a variable group from several files
+# (a weight map entry that lists files).
+READS_SPLIT_GROUPS = "3.11.0"
+_SUFFIX = ".weights.json"
+
+
+def _plan(model, max_shard_size):
+    strategy = getattr(model, "distribute_strategy", None)
+    if max_shard_size is None or not type(strategy).__module__.startswith("tfpar."):
+        return None
+    hook = hooks_of(strategy)._tfpar_owner_checkpoint
+    return hook() if hook is not None else None
+
+
+def _nbytes(value):
+    import tensorflow as tf
+
+    shape = [int(d) for d in value.shape]
+    count = 1
+    for d in shape:
+        count *= d
+    return count * tf.as_dtype(value.dtype).size
+
+
+class _ShardFiles:
+    """The shard files of writer `writer` of `writers`, filled in order up to `max_bytes`
+    each (a value larger than that gets a file of its own); its k-th file is
+    `<stem>_<k * writers + writer>.weights.h5`, so that the first (Keras' reader opens
+    `<stem>_00000` first) is the chief's. Every worker counts every writer's files alike,
+    from the values' shapes: the chief's map names files others wrote."""
+
+    def __init__(self, stem, writer, writers, max_bytes):
+        self._stem, self._writer, self._writers = stem, writer, writers
+        self._max, self._k, self._used = max_bytes, 0, 0
+
+    def place(self, size):
+        if self._used and self._used + size > self._max:
+            self._k, self._used = self._k + 1, 0
+        self._used += size
+        return self.name(self._k)
+
+    def name(self, k):
+        return f"{self._stem}_{k * self._writers + self._writer:05}.weights.h5"
+
+
+@functools.lru_cache(maxsize=None)
+def _store_class():
+    """A subclass of Keras' sharded store, only so that Keras' walk of a model's state
+    (`_save_state`, which checks the store's class) takes it; it keeps none of its parent's
+    state and writes each file through Keras' `H5IOStore`."""
+    sharded = internals.symbol("keras.src.saving.saving_lib.ShardedH5IOStore")
+    h5_store = internals.symbol("keras.src.saving.saving_lib.H5IOStore")
+
+    @internals.overrides
+    class OwnersStore(sharded):
+        def __init__(self, path, max_bytes, plan):  # noqa: super().__init__ opens a file.
+            self.path = pathlib.Path(path)
+            self._plan = plan
+            stem = self.path.name[:-len(_SUFFIX)]
+            self._shards = [_ShardFiles(stem, w, plan.writers, max_bytes)
+                            for w in range(plan.writers)]
+            self._entry = ("", None)
+            self._open = None  # (file name, its H5IOStore): this worker's file being written
+            self._groups_made = set()  # (file name, path)
+            self.weight_map = {}
+            self.total_size = 0
+            self.files = []  # this worker's, in order
+
+        def __bool__(self):  # (Keras' walk skips a false store; the parent asks its file.)
+            return True
+
+        def make(self, path, metadata=None):
+            self._entry = (path, metadata)
+            return self
+
+        def __setitem__(self, key, value):
+            path, metadata = self._entry
+            writer = self._plan.writer_of(value)
+            size = _nbytes(value)
+            name = self._shards[writer].place(size)
+            names = self.weight_map.setdefault(f"/{path}/vars" if path else "/vars", [])
+            if name not in names:
+                names.append(name)
+            self.total_size += size
+            if writer != self._plan.me:
+                return
+            store = self._file(name)
+            if (name, path) not in self._groups_made:
+                store.make(path, metadata=metadata)
+                self._groups_made.add((name, path))
+            store[key] = self._plan.local_value(value)
+
+        def _file(self, name):
+            if self._open is None or self._open[0] != name:
+                self.close()
+                self._open = (name, h5_store(self.path.with_name(name), mode="w"))
+                self.files.append(name)
+            return self._open[1]
+
+        def close(self):
+            if self._open is not None:
+                self._open[1].close()
+                self._open = None
+
+        def finish(self):
+            """Closes this worker's last file; the chief makes its first, which Keras'
+            reader opens whatever it reads, even when the chief wrote nothing."""
+            self.close()
+            if self._plan.me == 0 and self.first_file not in self.files:
+                h5_store(self.path.with_name(self.first_file), mode="w").close()
+                self.files.append(self.first_file)
+
+        @property
+        def first_file(self):
+            return self._shards[0].name(0)
+
+        def sharding_config(self):
+            """The weight map, as Keras writes it (one file: its name; several: a list)."""
+            return {"metadata": {"total_size": self.total_size},
+                    "weight_map": {k: v[0] if len(v) == 1 else v
+                                   for k, v in self.weight_map.items()}}
+
+    return OwnersStore
+
+
+def _check_keras_reads_split_groups():
+    import keras
+
+    if internals.release(keras.version()) < internals.release(READS_SPLIT_GROUPS):
+        raise ValueError(
+            f"Sharded weights written by their owners (save_weights('*.weights.json', "
+            f"max_shard_size=...) under ZeRO across workers) need Keras >= "
+            f"{READS_SPLIT_GROUPS} to be read (a layer's variables may be in several "
+            f"files); this is Keras {keras.version()}. Save to a '.weights.h5' file instead "
+            f"(gathered on the chief), or upgrade Keras.")
+
+
+def _commit(path, config):
+    """Writes the weight map whole or not at all."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(config, f, indent=4)
+    os.replace(partial, path)
+
+
+def save(model, filepath, max_shard_size, plan, objects_to_skip=None):
+    """Writes this worker's share of `model`'s weights (and on the chief the map)."""
+    path = str(filepath)
+    if not path.endswith(_SUFFIX):
+        raise ValueError(f"Sharded weights go to a file named '*{_SUFFIX}' (with "
+                         f"max_shard_size). Received: {path}")
+    if "://" in path:  # (gs://, s3://, hdfs://: h5 files are written locally.)
+        raise ValueError(
+            f"Sharded weights written by their owners go to a filesystem path every worker "
+            f"writes to (each writes its own files): {path} is remote. Mount it, or save "
+            f"to a '.weights.h5' file.")
+    _check_keras_reads_split_groups()
+    plan.agree(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    store = _store_class()(path, float(max_shard_size) * 1024 ** 3, plan)
+    save_state = internals.symbol("keras.src.saving.saving_lib._save_state")
+    try:
+        save_state(model, weights_store=store, assets_store=None, inner_path="",
+                   visited_saveables={id(o) for o in objects_to_skip or ()})
+    finally:
+        store.close()
+    store.finish()
+    written = plan.done(store.files)
+    if plan.me == 0:
+        named = {name for names in store.weight_map.values() for name in names}
+        named.add(store.first_file)  # (Made by the chief if it wrote nothing there.)
+        made = {name for files in written.values() for name in files}
+        if named != made:  # Workers counted sizes differently: no map, no checkpoint.
+            raise ClusterError(f"The workers wrote shard files {sorted(made)}, but the weight "
+                               f"map names {sorted(named)}: the checkpoint is not written.")
+        _commit(path, store.sharding_config())
+
+
+def is_owners_store(store):
+    return isinstance(store, _store_class())
+
+
+def written_by_owners(save_weights_only):
+    """saving_lib.save_weights_only: a sharded save (`max_shard_size`) of a model whose
+    strategy has an owner plan (ZeRO across workers) is written by the owners (`save`)."""
+
+    @functools.wraps(save_weights_only)
+    def wrapper(model, filepath, max_shard_size=None, *args, **kwargs):
+        plan = _plan(model, max_shard_size)
+        if plan is None:
+            return save_weights_only(model, filepath, max_shard_size, *args, **kwargs)
+        skip = kwargs.get("objects_to_skip", args[0] if args else None)
+        return save(model, filepath, max_shard_size, plan, skip)
+
+    return wrapper
