@@ -5,6 +5,7 @@ writes it from 2 worker processes under ZeRO."""
 
 import json
 import pathlib
+import zlib
 
 import keras
 import numpy as np
@@ -16,14 +17,15 @@ WRITERS = 3
 
 
 class _Plan:
-    """Writer `me` of WRITERS; each variable written by the writer its path hashes to."""
+    """Writer `me` of WRITERS; each variable written by the writer its path hashes to
+    (the same in every run: zlib's hash, not Python's salted one)."""
 
     def __init__(self, me, everyone):
         self.me, self.writers, self._everyone = me, WRITERS, everyone
         self.agreed = None
 
     def writer_of(self, value):
-        return hash(value.path) % WRITERS if hasattr(value, "path") else 0
+        return zlib.crc32(value.path.encode()) % WRITERS if hasattr(value, "path") else 0
 
     @staticmethod
     def local_value(value):

@@ -13,9 +13,17 @@ cluster's coordination service (no collective, nothing traced).
 
 import json
 
+import tensorflow as tf
+
 from tfpar.distribute.common import rendezvous
 from tfpar.errors import ClusterError
 from tfpar.keras import models
+
+
+def _storage(value):
+    """The tf.Variable holding a Keras variable's value; None for any other value."""
+    storage = models.tf_variable(value)
+    return storage if isinstance(storage, tf.Variable) else None
 
 
 class OwnerCheckpoint:
@@ -36,18 +44,20 @@ class OwnerCheckpoint:
     def writer_of(self, value):
         """The worker that writes `value`: the worker of the replica owning it (optimizer
         state, a stage-3 weight, a weight whose state has an owner), else the chief (0)."""
-        storage = models.storage(value) if hasattr(value, "_value") else None
+        storage = _storage(value)
         if storage is None:
             return 0
         reference = self._owners.slots.get(id(storage), storage)
         owner = self._owners.owner_if_known(reference)
         return 0 if owner is None else owner // self._per_worker
 
-    @staticmethod
-    def local_value(value):
-        """This worker's own copy of `value` (numpy), read where it is: never fetched."""
-        storage = models.storage(value) if hasattr(value, "_value") else None
-        if storage is None:
+    def local_value(self, value):
+        """This worker's own copy of `value` when it is state with an owner (read where it
+        is, never fetched: under stage 3 Keras' conversion would fetch it from its
+        owner); any other value as it is, for Keras to convert as it always does."""
+        storage = _storage(value)
+        if storage is None or not (id(storage) in self._owners.slots
+                                   or self._owners.owner_if_known(storage) is not None):
             return value
         return storage.read_value().numpy()
 
