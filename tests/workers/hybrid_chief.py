@@ -96,6 +96,7 @@ def main(argv):
             "moved": max(float(np.abs(a - b).max()) for a, b in zip(got, initial)),
             "stage_devices": [list(row) for row in strategy.stage_devices],
             "stage_communication": {str(k): v for k, v in strategy.communication.items()},
+            "tensor_communication": strategy.tensor_communication,
             "weights": {v.path: _devices(v) for v in model.weights},
             "slots": {v.path: _devices(v) for v in model.optimizer.variables
                       if v.path.endswith(("momentum", "velocity"))},

@@ -88,6 +88,8 @@ SYMBOLS = {
     "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph":
         "a chief's dataset sent to each worker",
     "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce": "ring all-reduce",
+    "tensorflow.python.distribute.values.PerReplica":
+        "a tensor-parallel group's partial sums, reduced by collectives across processes",
     "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
     "tensorflow.python.distribute.distribute_lib.UpdateContext": "optimizer updates on a device",
     "tensorflow.python.distribute.mirrored_strategy.MirroredExtended": "mirrored strategies",

@@ -131,6 +131,12 @@ def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
         collective_keys=keys)
 
 
+def per_replica(values):
+    """TensorFlow's PerReplica of `values` (one tensor per device), as its cross-device ops
+    take them."""
+    return internals.symbol("tensorflow.python.distribute.values.PerReplica")(tuple(values))
+
+
 # --- Devices and the eager context ---------------------------------------------------------
 
 

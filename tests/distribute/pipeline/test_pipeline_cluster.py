@@ -206,6 +206,8 @@ def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_
     result = hybrids["tp_zero1"]
     assert result["difference"] < 1e-5, result
     assert set(result["stage_communication"].values()) == {"ring"}, result
+    # Each replica's T=2 devices are two processes: their sums are peer all-reduces.
+    assert result["tensor_communication"] == [["ring"], ["ring"]], result
     for path, devices in result["weights"].items():
         split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
         assert sorted(map(_task, devices)) == ([0, 1, 2, 3] if split else [0, 2]), path

@@ -309,10 +309,39 @@ def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     graph = reduce.get_concrete_function(tf.TensorSpec([4]), tf.TensorSpec([4])).graph
     (nccl,) = [op for op in graph.get_operations() if op.type == "NcclReduce"]
     assert nccl.device == gpus[0] and len(nccl.inputs) == 2
-    # GPUs of two processes: never TensorFlow's in-process NCCL op (it would hang).
-    remote = ["/job:worker/replica:0/task:0/device:GPU:0",
-              "/job:worker/replica:0/task:1/device:GPU:0"]
-    assert tp.communication_of(remote) == "reduce_to_one"
+    # Devices of two processes: peer collectives (NCCL's collective on GPUs), never
+    # TensorFlow's in-process NCCL op (it would hang) nor one root device.
+    remote = ["/job:worker/replica:0/task:0/device:{}:0",
+              "/job:worker/replica:0/task:1/device:{}:0"]
+    assert tp.communication_of([d.format("GPU") for d in remote]) == "nccl"
+    assert tp.communication_of([d.format("CPU") for d in remote]) == "ring"
+
+
+def test_a_group_of_several_processes_sums_by_an_all_reduce_of_peer_collectives():
+    """The sum over T devices of several processes is an all-reduce by collectives (one
+    per device, each device sending and receiving a share), not an add on the first
+    device. (Built here on this process's CPUs with the ops a spanning group gets; the
+    4-process hybrid in test_pipeline_cluster.py runs it across workers.)"""
+    from tfpar.keras import tf_runtime
+
+    devices = [tf_runtime.canonical_device(d) for d in cpus(2)]
+    strategy = tfpar.DataParallelStrategy(cpus(2))  # (For collective keys of its own.)
+    ops = tf_runtime.ring_all_reduce(devices, 0, tf_runtime.collective_keys(strategy.extended))
+
+    @tf.function(autograph=False)
+    def reduce(a, b):
+        with tf.device(devices[0]):
+            a = tf.identity(a)
+        with tf.device(devices[1]):
+            b = tf.identity(b)
+        return tp.reduce_sum([a, b], devices, ops, "r")
+
+    a, b = tf.constant([1.0, 2.0]), tf.constant([10.0, 20.0])
+    np.testing.assert_array_equal(reduce(a, b), [11.0, 22.0])
+    graph = reduce.get_concrete_function(a, b).graph
+    collectives = [op for op in graph.get_operations() if op.type.startswith("CollectiveReduce")]
+    assert sorted(op.device for op in collectives) == sorted(devices)
+    assert not [op for op in graph.get_operations() if op.type in ("AddN", "AddV2", "Add")]
 
 
 def test_contradictory_or_unsupported_arguments_are_refused_at_construction():

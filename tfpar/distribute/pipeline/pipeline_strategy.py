@@ -77,7 +77,7 @@ from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import schedule as schedule_lib
 from tfpar.plan import sharding
-from tfpar.plan.communication import select_communication
+from tfpar.plan.communication import MULTI_WORKER, select_communication
 from tfpar.viz import pipeline_profiler as profiling
 
 
@@ -287,6 +287,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
         self._tp_substitutes = {}  # id(split variable) -> its shards.
+        self._tp_reductions = {}  # T devices of several processes -> their CrossDeviceOps.
         # Read by MirroredExtended.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         # A shard's copies live on one device of its stage in each replica: each of a
@@ -360,6 +361,14 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         """{stage: the all-reduce its gradients use across replicas} ("nccl" on GPUs; "ring"
         across processes on CPUs)."""
         return self.extended.stage_communication
+
+    @property
+    def tensor_communication(self):
+        """How each tensor-parallel group sums (`tensor_communication[r][s]`: replica r's
+        stage s): "nccl" on GPUs of one process, "reduce_to_one" on its CPUs, "ring" (or
+        "nccl", the collective's) over devices of several processes."""
+        return [[tensor_parallel_lib.communication_of(devices) for devices in row]
+                for row in self._tp_grid]
 
     def _tfpar_memory_config(self, optimizer_slots=2):
         # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
@@ -541,7 +550,14 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         """(This replica's T devices of `chunk`, how their reductions run); asked while a
         step is built."""
         devices = self._tp_grid[replica_id()][self._schedule.rank_of(chunk)]
-        return devices, tensor_parallel_lib.communication_of(devices)
+        communication = tensor_parallel_lib.communication_of(devices)
+        if communication in MULTI_WORKER and devices_lib.spans_tasks(devices):
+            # Peer collectives: one CrossDeviceOps per group, its keys the strategy's.
+            if devices not in self._tp_reductions:
+                self._tp_reductions[devices] = make_cross_device_ops(
+                    communication, devices, tf_runtime.collective_keys(self.extended))
+            return devices, self._tp_reductions[devices]
+        return devices, communication
 
     def _tfpar_optimizer_variables(self, variables):
         # Asked by the Keras seam when an optimizer is built: split variables are trained

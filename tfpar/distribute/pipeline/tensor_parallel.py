@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a pipeline stage (Megatron's layout), on one host.
+"""Tensor parallelism inside a pipeline stage (Megatron's layout), on one host or across processes.
 
 Each stage of a `PipelineStrategy(tensor_parallel=T, layout_map=...)` runs on T devices.
 The user's `keras.distribution.LayoutMap` (the keys a user writes for
@@ -22,8 +22,10 @@ axis of the equation, row when it is contracted):
   pipeline without tensor parallelism.
 
 Reductions inside a stage sum T tensors onto the stage's first device: with NCCL when the
-stage's devices are GPUs (`select_communication`: a `NcclReduce`), else an add on that
-device (`"reduce_to_one"`). Each shard's forward and backward run on its device
+stage's devices are GPUs of this process (`select_communication`: a `NcclReduce`), else an
+add on that device (`"reduce_to_one"`); when the T devices belong to several processes, by
+an all-reduce of peer collectives (ring on CPUs, NCCL's collective on GPUs), never through
+one root device. Each shard's forward and backward run on its device
 (`placed_call`). What cannot be split is refused when the model is placed, before the
 first step, naming the layer and the layout key.
 """
@@ -40,6 +42,7 @@ from tfpar.distribute.common.placed_call import placed_call
 from tfpar.errors import PlacementError
 from tfpar.keras import models
 from tfpar.keras import split_variables as keras_tp
+from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
 from tfpar.plan.communication import select_communication
 
@@ -302,18 +305,23 @@ def _plan_layer(layer, layout_map, t):
 
 def communication_of(devices):
     """How a stage's reductions run over its T `devices`: "nccl" on GPUs of this process,
-    else "reduce_to_one" (an add on the first device; also over devices of several
-    processes, where TensorFlow's in-process NCCL ops cannot run: a sum by collectives
-    there is issue 36's open item)."""
-    if devices_lib.spans_tasks(devices):
-        return "reduce_to_one"
+    else "reduce_to_one" (an add on the first device); over devices of several processes,
+    where TensorFlow's in-process NCCL ops cannot run, peer collectives: "ring" on CPUs,
+    the collective's NCCL implementation ("nccl") on GPUs."""
     return select_communication(
         "auto", [devices_lib.device_type(d) for d in devices],
+        multi_worker=devices_lib.spans_tasks(devices),
         physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
 
 
 def reduce_sum(parts, devices, communication, name):
-    """The sum of `parts` (part t on devices[t]) on devices[0]."""
+    """The sum of `parts` (part t on devices[t]) on devices[0]. `communication`: "nccl"
+    (TensorFlow's in-process NcclReduce), "reduce_to_one" (an add there), or the
+    `tf.distribute.CrossDeviceOps` of devices of several processes: an all-reduce by peer
+    collectives, of which devices[0]'s result is used (no device receives every part)."""
+    if isinstance(communication, tf.distribute.CrossDeviceOps):
+        return communication.reduce(tf.distribute.ReduceOp.SUM,
+                                    tf_runtime.per_replica(parts), destinations=devices[0])
     with tf.device(devices[0]):
         if communication == "nccl":
             return tf.raw_ops.NcclReduce(input=list(parts), reduction="sum", name=name)
