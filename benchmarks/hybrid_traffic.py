@@ -12,6 +12,11 @@ axis, the stage boundaries' activations and their gradients, the tensor-parallel
 reductions, plus the batch the chief sends each step; the wire adds gRPC framing and the
 runtime's own requests.
 
+Where the bytes concentrate: the chief also reads every TCP socket's bytes acked and received
+(`ss -tinp`) before and after, attributes them to the task whose process owns the socket, and
+sets each task's sends against its role's formula (`device_step_bytes`: its stage and tensor
+rank; the chief's: the batch).
+
     python benchmarks/hybrid_traffic.py [--steps 5] [--out FILE]
 
 The model is `benchmarks/hybrid.py`'s (8 x Dense(512) split Megatron's way under tensor
@@ -49,6 +54,42 @@ def loopback_sent():
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
+def bytes_by_task():
+    """{task name: [bytes sent, bytes received]} over the TCP sockets of this network
+    namespace (`ss`: each socket's bytes acked and received, attributed to its process,
+    named by the TF_CONFIG in its environment; processes without one are "other")."""
+    import re
+    import subprocess as sp
+
+    out = sp.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
+    by_pid, pid = {}, None
+    for line in out.splitlines():
+        if not line[:1].isspace():
+            found = re.search(r"pid=(\d+)", line)
+            pid = int(found[1]) if found else None
+            continue
+        sent, received = (re.search(rf"{key}:(\d+)", line) for key in ("bytes_acked",
+                                                                           "bytes_received"))
+        if pid is not None:
+            totals = by_pid.setdefault(pid, [0, 0])
+            totals[0] += int(sent[1]) if sent else 0
+            totals[1] += int(received[1]) if received else 0
+    tasks = {}
+    for pid, (sent, received) in by_pid.items():
+        name = "other"
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            task = json.loads(env[b"TF_CONFIG"])["task"]
+            name = f"{task['type']}:{task['index']}"
+        except (OSError, KeyError, ValueError):
+            pass
+        totals = tasks.setdefault(name, [0, 0])
+        totals[0] += sent
+        totals[1] += received
+    return tasks
+
+
 def measure(layout, args):
     """On the chief: trains the layout's strategy and returns its bytes per step."""
     import tfpar
@@ -73,16 +114,30 @@ def measure(layout, args):
     y = (np.arange(args.global_batch) % 10).astype("int32")
     for _ in range(2):
         model.train_on_batch(x, y)
-    before = loopback_sent()
+    before, tasks_before = loopback_sent(), bytes_by_task()
     for _ in range(args.steps):
         model.train_on_batch(x, y)
     sent = (loopback_sent() - before) / args.steps
+    tasks_after = bytes_by_task()
+    per_task = {name: [(a - b) / args.steps for a, b in zip(
+        tasks_after[name], tasks_before.get(name, [0, 0]))] for name in tasks_after}
     boundary = 4 * args.width * args.global_batch // r // args.micro_batches
     formula = communication.layout_step_bytes(
         4 * model.count_params(), boundary, r, k, t, sharding.STAGES[shard],
         args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k)
     formula["inputs"] = x.nbytes + y.nbytes
-    return {"measured": sent, "formula": formula}
+    # Each worker's role: worker w is device (replica, stage, rank) in the strategy's grid,
+    # numbered replica-major, rank innermost.
+    per_device = {}
+    for w in range(r * k * t):
+        stage, rank = (w // t) % k, w % t
+        per_device[f"worker:{w}"] = sum(communication.device_step_bytes(
+            4 * model.count_params(), boundary, stage, r, k, t, sharding.STAGES[shard],
+            args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k,
+            rank=rank).values())
+    per_device["chief:0"] = formula["inputs"]
+    return {"measured": sent, "formula": formula, "per_task": per_task,
+            "per_task_formula": per_device}
 
 
 def run_layout(layout, args):
@@ -130,6 +185,17 @@ def main():
               f"{result['measured'] / total:6.2f}   "
               + " ".join(f"{formula[axis] / mib:6.2f}"
                          for axis in ("data", "pipe", "model", "inputs")), flush=True)
+        # Where the bytes concentrate: each task's sends against its role's formula.
+        tasks = sorted(result["per_task_formula"])
+        sends = {name: result["per_task"].get(name, [0, 0])[0] for name in tasks}
+        busiest = max(sends, key=sends.get)
+        rows[layout]["busiest"] = {
+            "task": busiest, "sent": sends[busiest],
+            "formula": result["per_task_formula"][busiest],
+            "ratio": round(sends[busiest] / max(result["per_task_formula"][busiest], 1), 3)}
+        print("    sent by task (formula): " + ", ".join(
+            f"{name} {sends[name] / mib:.2f} ({result['per_task_formula'][name] / mib:.2f})"
+            for name in tasks) + f"; busiest {busiest}", flush=True)
     write_json(args.out, {"benchmark": "hybrid_traffic",
                           "command": command_line("hybrid_traffic", argparse.Namespace(**{
                               k: v for k, v in vars(args).items() if k != "layout"})),

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from tfpar.plan import __main__ as cli
-from tfpar.plan import advisor, memory, units
+from tfpar.plan import advisor, communication, memory, units
 from tfpar.plan.advisor import advise
 from tfpar.plan.memory import MemoryConfig, estimate_memory
 
@@ -455,7 +455,7 @@ def test_cli_main_returns_0_in_process(capsys):
 
 # --- Examples in docstrings ----------------------------------------------------------
 
-@pytest.mark.parametrize("module", [memory, units, advisor])
+@pytest.mark.parametrize("module", [memory, units, advisor, communication])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted and not result.failed

@@ -135,11 +135,35 @@ def tensor_parallel_bytes(activation_bytes, tensor_parallel, num_layer_pairs,
             * ring_all_reduce_bytes(activation_bytes, tensor_parallel))
 
 
+def device_step_bytes(gradient_bytes, boundary_bytes, stage=0, num_replicas=1, num_stages=1,
+                      tensor_parallel=1, zero_stage=0, num_micro_batches=1,
+                      layer_pairs_per_stage=0, rank=0):
+    """Bytes one device (stage `stage`, tensor-parallel `rank`) of an R x K x T layout sends
+    in one training step, by axis: {"data", "pipe", "model"} (arguments as
+    `layout_step_bytes`). Its share of its stage's gradients (an even K x T-th of one
+    copy's) in a ring over the R replicas; on a stage's first device (rank 0), each
+    micro-batch's activation to the next stage and its gradient to the previous one (none
+    past either end); its tensor-parallel pairs' all-reduces.
+
+    >>> device_step_bytes(1000, 10, stage=0, num_replicas=2, num_stages=2, num_micro_batches=4)
+    {'data': 500.0, 'pipe': 40, 'model': 0}
+    """
+    r, k, t, m = num_replicas, num_stages, tensor_parallel, num_micro_batches
+    if not 0 <= stage < k:
+        raise ValueError(f"stage must be in [0, {k}). Received: {stage!r}")
+    neighbours = (stage > 0) + (stage < k - 1) if rank == 0 else 0
+    return {"data": data_parallel_bytes(gradient_bytes / (k * t), r, zero_stage) if r > 1 else 0,
+            "pipe": neighbours * m * boundary_bytes,
+            "model": tensor_parallel_bytes(boundary_bytes, t, layer_pairs_per_stage, m)
+            if t > 1 else 0}
+
+
 def layout_step_bytes(gradient_bytes, boundary_bytes, num_replicas=1, num_stages=1,
                       tensor_parallel=1, zero_stage=0, num_micro_batches=1,
                       layer_pairs_per_stage=0):
     """Bytes all the devices of an R x K x T layout send in one training step, by axis
-    (the Megatron/DeepSpeed formulas summed over the devices): {"data", "pipe", "model"}.
+    (the Megatron/DeepSpeed formulas summed over the devices, `device_step_bytes`):
+    {"data", "pipe", "model"}.
 
     `gradient_bytes`: one model copy's gradients; `boundary_bytes`: one micro-batch's
     activation between two stages, and the output of each tensor-parallel layer pair (a
@@ -153,10 +177,12 @@ def layout_step_bytes(gradient_bytes, boundary_bytes, num_replicas=1, num_stages
     ...                   layer_pairs_per_stage=2)
     {'data': 0, 'pipe': 80, 'model': 640.0}
     """
-    r, k, t = num_replicas, num_stages, tensor_parallel
-    data = (r * k * t * data_parallel_bytes(gradient_bytes / (k * t), r, zero_stage)
-            if r > 1 else 0)
-    pipe = r * 2 * (k - 1) * num_micro_batches * boundary_bytes
-    model = (r * k * t * tensor_parallel_bytes(boundary_bytes, t, layer_pairs_per_stage,
-                                               num_micro_batches) if t > 1 else 0)
-    return {"data": data, "pipe": pipe, "model": model}
+    total = {"data": 0, "pipe": 0, "model": 0}
+    for stage in range(num_stages):
+        for rank in range(tensor_parallel):
+            device = device_step_bytes(gradient_bytes, boundary_bytes, stage, num_replicas,
+                                       num_stages, tensor_parallel, zero_stage,
+                                       num_micro_batches, layer_pairs_per_stage, rank)
+            for axis, value in device.items():
+                total[axis] += num_replicas * value
+    return total
