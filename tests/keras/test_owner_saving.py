@@ -41,9 +41,13 @@ class _Plan:
 
 def _model(seed):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
-    model.compile(keras.optimizers.Adam(0.01), "mse")
+    # Named: the writers follow the variables' paths, which Keras' automatic names
+    # would make depend on the layers made before in this process.
+    model = keras.Sequential([keras.Input((6,)),
+                              keras.layers.Dense(32, activation="relu", name="hidden"),
+                              keras.layers.BatchNormalization(name="norm"),
+                              keras.layers.Dense(3, name="head")], name="owned")
+    model.compile(keras.optimizers.Adam(0.01, name="adam"), "mse")
     return model
 
 

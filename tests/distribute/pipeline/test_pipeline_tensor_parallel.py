@@ -309,19 +309,19 @@ def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():
     graph = reduce.get_concrete_function(tf.TensorSpec([4]), tf.TensorSpec([4])).graph
     (nccl,) = [op for op in graph.get_operations() if op.type == "NcclReduce"]
     assert nccl.device == gpus[0] and len(nccl.inputs) == 2
-    # Devices of two processes: peer collectives (NCCL's collective on GPUs), never
-    # TensorFlow's in-process NCCL op (it would hang) nor one root device.
+    # GPUs of two processes: NCCL's collective (peers), never TensorFlow's in-process NCCL
+    # op (it would hang); CPUs of two processes: an add on the first (fewer bytes than
+    # TensorFlow's CPU ring, measured).
     remote = ["/job:worker/replica:0/task:0/device:{}:0",
               "/job:worker/replica:0/task:1/device:{}:0"]
     assert tp.communication_of([d.format("GPU") for d in remote]) == "nccl"
-    assert tp.communication_of([d.format("CPU") for d in remote]) == "ring"
+    assert tp.communication_of([d.format("CPU") for d in remote]) == "reduce_to_one"
 
 
 def test_a_group_of_several_processes_sums_by_an_all_reduce_of_peer_collectives():
-    """The sum over T devices of several processes is an all-reduce by collectives (one
-    per device, each device sending and receiving a share), not an add on the first
-    device. (Built here on this process's CPUs with the ops a spanning group gets; the
-    4-process hybrid in test_pipeline_cluster.py runs it across workers.)"""
+    """The sum over T GPUs of several processes is an all-reduce by collectives (one per
+    device, each device sending and receiving a share), not an add on the first device.
+    (Built here with the ring implementation on this process's CPUs: no GPU here.)"""
     from tfpar.keras import tf_runtime
 
     devices = [tf_runtime.canonical_device(d) for d in cpus(2)]

@@ -365,8 +365,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     @property
     def tensor_communication(self):
         """How each tensor-parallel group sums (`tensor_communication[r][s]`: replica r's
-        stage s): "nccl" on GPUs of one process, "reduce_to_one" on its CPUs, "ring" (or
-        "nccl", the collective's) over devices of several processes."""
+        stage s): "nccl" on GPUs (over several processes, NCCL's collective all-reduce),
+        "reduce_to_one" on CPUs (an add on the stage's first device)."""
         return [[tensor_parallel_lib.communication_of(devices) for devices in row]
                 for row in self._tp_grid]
 

@@ -23,9 +23,9 @@ axis of the equation, row when it is contracted):
 
 Reductions inside a stage sum T tensors onto the stage's first device: with NCCL when the
 stage's devices are GPUs of this process (`select_communication`: a `NcclReduce`), else an
-add on that device (`"reduce_to_one"`); when the T devices belong to several processes, by
-an all-reduce of peer collectives (ring on CPUs, NCCL's collective on GPUs), never through
-one root device. Each shard's forward and backward run on its device
+add on that device (`"reduce_to_one"`); GPUs of several processes all-reduce by NCCL's
+collective (peers; TensorFlow's in-process NCCL ops would hang there), CPUs of several
+processes still add on the first device (`communication_of`). Each shard's forward and backward run on its device
 (`placed_call`). What cannot be split is refused when the model is placed, before the
 first step, naming the layer and the layout key.
 """
@@ -305,12 +305,17 @@ def _plan_layer(layer, layout_map, t):
 
 def communication_of(devices):
     """How a stage's reductions run over its T `devices`: "nccl" on GPUs of this process,
-    else "reduce_to_one" (an add on the first device); over devices of several processes,
-    where TensorFlow's in-process NCCL ops cannot run, peer collectives: "ring" on CPUs,
-    the collective's NCCL implementation ("nccl") on GPUs."""
+    else "reduce_to_one" (an add on the first device). Over GPUs of several processes,
+    where TensorFlow's in-process NCCL ops cannot run: "nccl", an all-reduce by the
+    collectives' NCCL implementation (peers, no root). Over CPUs of several processes still
+    the add on the first device: TensorFlow's ring of CPU collectives over gRPC measured
+    more bytes at every process (BUILD_NOTES, session 23)."""
+    types = [devices_lib.device_type(d) for d in devices]
+    spans = devices_lib.spans_tasks(devices)
+    if spans and set(types) != {"GPU"}:
+        return "reduce_to_one"
     return select_communication(
-        "auto", [devices_lib.device_type(d) for d in devices],
-        multi_worker=devices_lib.spans_tasks(devices),
+        "auto", types, multi_worker=spans,
         physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
 
 
