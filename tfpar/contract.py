@@ -74,6 +74,9 @@ class StrategyHooks:
     _tfpar_full_optimizer_state = None
     # (variables) -> None: BackupAndRestore resumed on the chief; the others take its values.
     _tfpar_broadcast_from_chief = None
+    # "fp16", "bf16" or None: the type the replicas' gradients are summed in
+    # (`tfpar.keras.compression`).
+    _tfpar_compression = None
     # () -> who writes which variable of a sharded save, or None (`tfpar.keras.owner_saving`;
     # `tfpar.distribute.zero.owner_checkpoint.OwnerCheckpoint`).
     _tfpar_owner_checkpoint = None

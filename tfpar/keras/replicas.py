@@ -52,6 +52,7 @@ import tensorflow as tf
 from tfpar import errors as tfpar_errors
 from tfpar.contract import hooks_of
 from tfpar.keras.replica_context import replica_context
+from tfpar.keras import compression
 from tfpar.keras import gradient_clipping
 from tfpar.keras import internals
 from tfpar.keras import models
@@ -551,7 +552,8 @@ def _ema_overwritten_per_replica(keras_overwrite):
 
 
 def _reduced_where_they_are(keras_all_reduce):
-    """TFOptimizer._all_reduce_sum_gradients under a strategy whose replica spans devices
+    """TFOptimizer._all_reduce_sum_gradients: in the wire type of a strategy's
+    `compression` (`tfpar.keras.compression`); under a strategy whose replica spans devices
     (`_tfpar_replica_spans_devices`: pipelines, model parallelism). `ReplicaContext.all_reduce`
     wraps its merge_call in `tf.custom_gradient`, whose IdentityN over every gradient runs
     on the replica's device: every other device's gradients were copied there. Measured:
@@ -563,6 +565,11 @@ def _reduced_where_they_are(keras_all_reduce):
     def all_reduce_sum(self, grads_and_vars):
         if gradient_clipping.already_summed():
             return list(grads_and_vars)  # Summed (and clipped) before Keras' update.
+        compressed = replica_context("_tfpar_compression")
+        if compressed is not None and tf.inside_function():
+            return compression.all_reduce_sum(
+                compressed, hooks_of(compressed.strategy)._tfpar_compression,
+                grads_and_vars, keras_all_reduce, self)
         context = replica_context("_tfpar_replica_spans_devices", min_replicas=1)
         if context is None or not tf.inside_function():
             return keras_all_reduce(self, grads_and_vars)

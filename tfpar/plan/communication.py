@@ -94,6 +94,28 @@ def check_bytes_per_pack(bytes_per_pack, default):
     return bytes_per_pack
 
 
+# --- Gradient compression -----------------------------------------------------------------
+
+COMPRESSIONS = (None, "fp16", "bf16")
+
+
+def check_compression(compression, shard=None):
+    """`compression` if tfpar compresses gradients that way for the wire ("fp16", "bf16",
+    or None for full precision); a ValueError that says what to pass otherwise.
+
+    >>> check_compression("bf16")
+    'bf16'
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be 'fp16', 'bf16' or None. Received: "
+                         f"{compression!r}")
+    if compression and shard:
+        raise ValueError(
+            f"compression={compression!r} with shard={shard!r} is not supported yet: ZeRO "
+            f"reduces its gradient buckets itself. Use one of them.")
+    return compression
+
+
 # --- Bytes per training step ------------------------------------------------------------
 
 def data_parallel_bytes(gradient_bytes, num_replicas, zero_stage=0):

@@ -24,7 +24,7 @@ from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
 from tfpar.plan.communication import (COMMUNICATIONS, check_bytes_per_pack,
-                                      select_communication)
+                                      check_compression, select_communication)
 
 
 class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.MirroredStrategy):
@@ -79,6 +79,11 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         their reads instead). None: True under shard="parameters". False: every read is
         kept from the forward to the backward pass (faster, the memory of unsharded
         weights).
+      compression: "fp16" or "bf16": the replicas' gradients summed in that type on the
+        wire (half the bytes), as PyTorch DDP's compression hooks do: each replica casts
+        its float gradients (float16: divided by the number of replicas first, so the
+        sum stays in range), the sum is cast back. None: full precision. Not with
+        `shard` yet.
 
     Example:
       >>> import keras, numpy as np, tfpar
@@ -97,7 +102,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None, shard=None,
                 reshard_after_forward=None, cross_device_ops=None,
-                communication_options=None):
+                communication_options=None, compression=None):
         if cls is DataParallelStrategy:
             cluster_resolver = stock_arguments.positional(
                 devices, communication, cluster_resolver, None, None)[2]
@@ -108,7 +113,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
                  cluster_resolver=None, timeout_seconds=None, shard=None,
                  reshard_after_forward=None, cross_device_ops=None,
-                 communication_options=None):
+                 communication_options=None, compression=None):
         # One construction path for one host and for workers; what differs is in the
         # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
         devices, communication, cluster_resolver, cross_device_ops, communication_options = (
@@ -124,6 +129,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self._given_cross_device_ops = reduction.given_ops
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
+        self.compression = check_compression(compression, shard)
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
         self._dp_regathered_models = set()  # ids of the models made to regather.
         if self.reshard_after_forward:
@@ -221,10 +227,18 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
                               config, devices, gradients, gather)
 
+    @property
+    def _tfpar_compression(self):
+        # Read by the Keras seam: the replicas' gradients summed in this type.
+        return self.compression
+
+    def _options_repr(self):
+        return "".join(f", {name}={getattr(self, name)!r}"
+                       for name in ("shard", "compression") if getattr(self, name))
+
     def __repr__(self):
-        shard = f", shard={self.shard!r}" if self.shard else ""
         return (f"DataParallelStrategy(replicas={self.num_replicas_in_sync}, "
-                f"communication={self.communication!r}{shard})")
+                f"communication={self.communication!r}{self._options_repr()})")
 
 
 @internals.overrides
@@ -369,7 +383,6 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
 
     def __repr__(self):
         workers = tf_runtime.num_workers(self.extended)
-        shard = f", shard={self.shard!r}" if self.shard else ""
         return (f"DataParallelStrategy(workers={workers}, "
                 f"replicas={self.num_replicas_in_sync}, communication={self.communication!r}"
-                f"{shard})")
+                f"{self._options_repr()})")

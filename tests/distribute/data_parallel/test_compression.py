@@ -1,0 +1,116 @@
+"""Gradient compression (`DataParallelStrategy(compression=...)`): the replicas' gradients
+summed in float16 or bfloat16, against a one-device emulation of the same rounding."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+
+BATCH, REPLICAS = 16, 2
+WIRE = {"fp16": tf.float16, "bf16": tf.bfloat16}
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    # One replica's half of every batch has inputs 300x larger: its gradients are too.
+    x[np.arange(64) % BATCH >= BATCH // REPLICAS] *= 300.0
+    return x, (np.arange(64) % 3).astype("int32")
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _emulated(compression):
+    """One device: each step's gradient is the sum of the replicas' (each half of the
+    batch, normalized by the global batch), each cast to the wire type (float16: divided
+    by the replicas first), summed in it and cast back."""
+    model = _model()
+    x, y = _data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    for start in range(0, len(x), BATCH):
+        parts = []
+        for r in range(REPLICAS):
+            rows = slice(start + r * BATCH // REPLICAS, start + (r + 1) * BATCH // REPLICAS)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[rows], model(x[rows], training=True)) / BATCH
+            grads = tape.gradient(loss, model.trainable_variables)
+            if compression is None:
+                parts.append(grads)
+                continue
+            scale = 1.0 / REPLICAS if compression == "fp16" else 1.0
+            parts.append([tf.cast(g * scale, WIRE[compression]) for g in grads])
+        summed = [tf.add_n(list(g)) for g in zip(*parts)]
+        if compression is not None:
+            summed = [tf.cast(g, tf.float32) / scale for g in summed]
+        model.optimizer.apply(summed, model.trainable_variables)
+    return model.get_weights()
+
+
+def _difference(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_replicas_sum_in_the_wire_type_as_the_emulation_does(compression):
+    strategy = tfpar.DataParallelStrategy(["/cpu:0", "/cpu:1"], compression=compression)
+    assert strategy.compression == compression and compression in repr(strategy)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    got = model.get_weights()
+    emulated, exact = _emulated(compression), _emulated(None)
+    # The rounding is the emulation's, and large enough to tell from full precision.
+    assert _difference(got, emulated) < 1e-6, _difference(got, emulated)
+    assert _difference(got, exact) > 20 * max(_difference(got, emulated), 1e-8)
+    # What the replicas sum is in the wire type: half the bytes of float32 (a custom
+    # loop's step, traced: the strategy's sums of the gradients).
+    assert _summed_types(strategy, model) == {WIRE[compression]}
+
+
+def _summed_types(strategy, model):
+    """The types of what the replicas' gradients are summed as in a traced training step."""
+    x, y = _data()
+
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(replica, (x, y))
+
+    graph = step.get_concrete_function(x[:BATCH], y[:BATCH]).graph
+    return {op.outputs[0].dtype for op in graph.get_operations()
+            if op.type in ("AddN", "CollectiveReduceV2", "NcclAllReduce")
+            and op.outputs[0].shape.rank}
+
+
+def test_without_compression_nothing_changes():
+    strategy = tfpar.DataParallelStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert strategy.compression is None
+    assert _difference(model.get_weights(), _emulated(None)) < 1e-5
+    assert _summed_types(strategy, model) == {tf.float32}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"compression": "int8"}, "compression must be 'fp16', 'bf16' or None"),
+    ({"compression": "fp16", "shard": "optimizer"}, "not supported yet: ZeRO"),
+])
+def test_unsupported_compression_is_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tfpar.DataParallelStrategy(["/cpu:0", "/cpu:1"], **kwargs)
