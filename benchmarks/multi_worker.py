@@ -42,6 +42,10 @@ def parse_args():
                         help="tfpar ring packing across workers (default: tfpar's)")
     parser.add_argument("--shard", default=None, help="tfpar's ZeRO stage (shard=)")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    parser.add_argument("--compressions", default="",
+                        help="comma-separated tfpar gradient compressions to run as well "
+                             "(fp16, bf16), each as one more 2-worker configuration")
+    parser.add_argument("--compression", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["tfpar", "stock"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -66,7 +70,7 @@ def worker(args):
     else:
         strategy = tfpar.DataParallelStrategy(devices=None if config else ["/cpu:0"],
                                               bytes_per_pack=args.bytes_per_pack if config else None,
-                                              shard=args.shard)
+                                              shard=args.shard, compression=args.compression)
     global_batch = args.per_worker_batch * strategy.num_replicas_in_sync
     with strategy.scope():
         optimizer = keras.optimizers.Adam(1e-4) if args.optimizer == "adam" else None
@@ -93,7 +97,7 @@ def worker(args):
             json.dump({"step_seconds": seconds, "replicas": strategy.num_replicas_in_sync}, f)
 
 
-def run_config(args, kind, workers):
+def run_config(args, kind, workers, compression=None):
     """Launches one configuration; returns (seconds per step, replicas)."""
     from tfpar.cluster.launcher import Launcher
 
@@ -105,7 +109,8 @@ def run_config(args, kind, workers):
                    f"--width={args.width}", f"--layers={args.layers}", f"--steps={args.steps}",
                    f"--optimizer={args.optimizer}",
                    ] + ([f"--bytes_per_pack={args.bytes_per_pack}"] if args.bytes_per_pack is not None else []
-                        ) + ([f"--shard={args.shard}"] if args.shard else [])
+                        ) + ([f"--shard={args.shard}"] if args.shard else []
+                        ) + ([f"--compression={compression}"] if compression else [])
         if workers == 1:
             code = subprocess.run(command, timeout=600).returncode
         else:
@@ -117,16 +122,29 @@ def run_config(args, kind, workers):
     return data["step_seconds"], data["replicas"]
 
 
+def _ceiling(args):
+    """Two concurrent matmul streams against one, at this model's shape, in this run."""
+    import tfpar
+
+    tfpar.virtual_cpus(2)
+    from _common import two_stream_ceiling
+
+    rows = args.per_worker_batch if args.model == "mlp" else 1024
+    return round(two_stream_ceiling(rows, args.width, args.width, args.rounds, 5), 3)
+
+
 def main():
     args = parse_args()
     if args.worker:
         return worker(args)
-    configs = {"1 worker tfpar": ("tfpar", 1), "2 workers tfpar": ("tfpar", 2),
-               "2 workers stock": ("stock", 2)}
+    configs = {"1 worker tfpar": ("tfpar", 1, None), "2 workers tfpar": ("tfpar", 2, None),
+               "2 workers stock": ("stock", 2, None)}
+    for compression in filter(None, args.compressions.split(",")):
+        configs[f"2 workers tfpar {compression}"] = ("tfpar", 2, compression)
     times = {name: [] for name in configs}
     for _ in range(args.rounds):
-        for name, (kind, workers) in configs.items():
-            seconds, replicas = run_config(args, kind, workers)
+        for name, (kind, workers, compression) in configs.items():
+            seconds, replicas = run_config(args, kind, workers, compression)
             assert replicas == workers
             times[name].append(seconds)
     step = {name: statistics.median(t) for name, t in times.items()}
@@ -143,6 +161,10 @@ def main():
         "step_ms": {k: round(v * 1000, 1) for k, v in step.items()},
         "samples_per_s": {k: round(v, 1) for k, v in throughput.items()},
         "scaling_2_workers": round(throughput["2 workers tfpar"] / throughput["1 worker tfpar"], 3),
+        **{f"scaling_2_workers_{name.split()[-1]}": round(
+            throughput[name] / throughput["1 worker tfpar"], 3)
+           for name in configs if name.startswith("2 workers tfpar ")},
+        "two_stream_ceiling": _ceiling(args),
         "tfpar_step_time_vs_stock": round(step["2 workers tfpar"] / step["2 workers stock"], 3),
         "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()},
     }
