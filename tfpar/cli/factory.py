@@ -33,7 +33,7 @@ def from_advice(advice):
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
-                  ps_mode="async", pipeline=None, shard=None):
+                  ps_mode="async", pipeline=None, shard=None, compression=None):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
@@ -44,7 +44,8 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     (`num_devices` does not apply); `pipeline` is a dict of its keyword arguments
     (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages, shard,
     tensor_parallel, layout_map).
-    `shard`: for "data", the ZeRO stage's name (`DataParallelStrategy(shard=...)`).
+    `shard`, `compression`: for "data", `DataParallelStrategy`'s (ZeRO's stage, the gradients'
+    wire type); refused for the others.
     "auto" is resolved by the caller (`from_advice`), not here.
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
@@ -54,6 +55,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}. Use one of: {', '.join(STRATEGIES)}.")
+    if compression and name != "data":
+        raise ValueError(f"compression={compression!r} is for the data strategy; "
+                         f"strategy {name!r} sums its gradients in full precision.")
     if name == "auto":
         raise ValueError("make_strategy('auto'): resolve the advice first with "
                          "from_advice(tfpar.plan.advise(...)), then build that name.")
@@ -82,9 +86,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
     if cluster_worker_count() > 1:  # TF_CONFIG names several workers
         return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds,
-                                    shard=shard)
+                                    shard=shard, compression=compression)
     return DataParallelStrategy(devices=_local_devices(num_devices), communication=communication,
-                                shard=shard)
+                                shard=shard, compression=compression)
 
 
 def _local_devices(num_devices):

@@ -114,3 +114,11 @@ def test_without_compression_nothing_changes():
 def test_unsupported_compression_is_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tfpar.DataParallelStrategy(["/cpu:0", "/cpu:1"], **kwargs)
+
+
+def test_the_training_binary_passes_compression_to_the_data_strategy_only():
+    from tfpar.cli import factory
+
+    assert factory.make_strategy("data", 4, compression="bf16").compression == "bf16"
+    with pytest.raises(ValueError, match="compression='fp16' is for the data strategy"):
+        factory.make_strategy("model", 4, compression="fp16")
