@@ -141,6 +141,15 @@ OPTIMIZER_CLASS_FEATURES = ["opt_" + name for name in harness.OPTIMIZER_CLASS_RO
 # ZeRO-1 keeps the weights mirrored and their moving averages on the owners: the end of
 # `fit` copies each average to every replica's weight.
 OPTIMIZER_EXTRA = {"opt_ema_overwrite_frequency": ("zero1",)}
+# Gradients summed in bfloat16 (`compression="bf16"`): the rows whose gradient sum differs
+# (a mean and a summed loss, sample weights, a custom loop, clipping after the sum, loss
+# scaling), within a tolerance of one device.
+COMPRESSION_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight", "custom_loop",
+                        "clip_global_norm_one_replica", "mixed_float16"]
+BF16_GRADIENTS = ("within:0.02:each replica's gradient is rounded to bfloat16 (8 significant "
+                  "bits) before the sum, as PyTorch's bf16_compress_hook does (README, "
+                  "compression); checked exactly against an emulation of that rounding in "
+                  "tests/distribute/data_parallel/test_compression.py")
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -251,6 +260,8 @@ def _expected():
     cells["opt_Muon", "zero3"] = "error:ValueError:cannot shard Muon"
     cells["opt_Nadam", "zero3"] = "error:ValueError:makes state as a trainable variable"
     cells["opt_ScheduleFreeAdamW", "zero3"] = "error:ValueError:far from one device's weights"
+    for f in COMPRESSION_FEATURES:
+        cells[f, "dp2_bf16"] = BF16_GRADIENTS
     return {cell: target for cell, target in cells.items()
             if cell[0] in harness.FEATURES}
 
@@ -290,7 +301,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "zero3": "ZeRO-3 DP 2", MULTI_WORKER: "DP 2 workers",
            "pipe_zero1": "1F1B R2 K2 M2 ZeRO-1", "pipe_zero2": "1F1B R2 K2 M2 ZeRO-2",
            "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
-           harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2"}
+           harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2",
+           "dp2_bf16": "DP 2 bf16 gradients"}
 
 
 def render_table():
