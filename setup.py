@@ -25,6 +25,9 @@ setup(
     install_requires=INSTALL_REQUIRES,
     # keras-hub: real model configs (GemmaBackbone.get_layout_map) for keras.distribution tests.
     extras_require={"test": ["pytest>=8,<10", "pytest-timeout>=2.3", "pytest-xdist>=3.5,<4",
-                             "keras-hub==0.32.0"]},
+                             "keras-hub==0.32.0",
+                             # The documentation site (docs/), built and its snippets run by
+                             # tests/docs/test_docs.py.
+                             "mkdocs>=1.6,<2", "mkdocstrings[python]>=1.0,<2"]},
     entry_points={"console_scripts": ["tfpar=tfpar.cli:main"]},
 )

@@ -20,7 +20,7 @@ def virtual_cpus(n, one_core_each=False):
     Returns:
       The logical CPU device names.
 
-    Example:
+    Examples:
       >>> import tfpar
       >>> tfpar.virtual_cpus(2)  # doctest: +SKIP
       ['/device:CPU:0', '/device:CPU:1']

@@ -1,4 +1,4 @@
-"""What each (feature x strategy) cell must do, what fails today, and the README table.
+"""What each (feature x strategy) cell must do, what fails today, and the conformance table (docs/conformance.md).
 
 EXPECTED maps every cell to its target:
 - "equal": weights, epoch logs, evaluate and predict equal one device's (feature tolerance);
@@ -147,8 +147,8 @@ OPTIMIZER_EXTRA = {"opt_ema_overwrite_frequency": ("zero1",)}
 COMPRESSION_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight", "custom_loop",
                         "clip_global_norm_one_replica", "mixed_float16"]
 BF16_GRADIENTS = ("within:0.02:each replica's gradient is rounded to bfloat16 (8 significant "
-                  "bits) before the sum, as PyTorch's bf16_compress_hook does (README, "
-                  "compression); checked exactly against an emulation of that rounding in "
+                  "bits) before the sum, as PyTorch's bf16_compress_hook does (docs: "
+                  "data parallelism, compression); checked exactly against an emulation of that rounding in "
                   "tests/distribute/data_parallel/test_compression.py")
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
@@ -158,7 +158,7 @@ PER_REPLICA_BN = ("documented:BatchNorm normalizes each replica's part of the ba
                   "those statistics (the same on every replica, and saved); synchronized=True "
                   "gives one device's numbers")
 PER_MICRO_BN = ("documented:BatchNorm statistics per micro-batch, one moving-statistics update "
-                "per micro-batch (README)")
+                "per micro-batch (docs: pipelines)")
 PER_MICRO_BN_REPLICAS = ("documented:BatchNorm statistics per micro-batch; each micro-batch "
                          "index updates the moving statistics with the mean over pipeline "
                          "replicas (as DataParallelStrategy does)")
@@ -291,7 +291,7 @@ def cell_status(feature, sid):
     return kind, detail
 
 
-# --- The README table ------------------------------------------------------------------------
+# --- The conformance table (docs/conformance.md) ------------------------------------------------------------------------
 
 TABLE_START = "<!-- conformance-table:start -->"
 TABLE_END = "<!-- conformance-table:end -->"

@@ -2,7 +2,7 @@
 
 Every public name of the stock strategy (and of its `extended`) is classified: a
 property whose value must equal the stock one (or differs on purpose, with the
-reason, as in the README's table), a method whose results are compared with the
+reason, as in the data-parallel guide's table), a method whose results are compared with the
 stock strategy's on the same probe, or a TF1-only method (graph sessions) that
 must behave as the stock one does. A name that TensorFlow adds later fails the
 walk until it is classified.
@@ -26,7 +26,7 @@ TF1_ONLY = {"configure", "experimental_run", "group", "make_dataset_iterator",
             "experimental_make_numpy_dataset", "experimental_run_steps_on_iterator",
             "broadcast_to", "update_non_slot", "non_slot_devices"}
 
-# Differences on purpose, as (stock class, name) -> why. The README's table says the same.
+# Differences on purpose, as (stock class, name) -> why. The data-parallel guide's table says the same.
 INTENDED = {
     ("MirroredStrategy", "cluster_resolver"):
         "a resolver of the one-task cluster, as MultiWorkerMirroredStrategy has, so that "

@@ -1,6 +1,6 @@
 """R=2 replicas of a K=2 x T=2 tensor-parallel pipeline on 8 logical CPUs (more than the
 test process has), without ZeRO and with ZeRO-1 and ZeRO-3 over the replicas, each trained
-with Adam against one device; then the README's 3D example, a keras-hub GPT-2 style
+with Adam against one device; then the 3D example of the pipeline guide, a keras-hub GPT-2 style
 decoder on a DeviceMesh (2, 2, 2) of axes data, pipe, model with ZeRO-1; prints one JSON
 line per run."""
 
@@ -44,7 +44,7 @@ def main():
 
 
 def run_3d():
-    """The README's 3D example: data x pipe x model = 2 x 2 x 2, said once by the mesh."""
+    """The pipeline guide's 3D example: data x pipe x model = 2 x 2 x 2, said once by the mesh."""
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")

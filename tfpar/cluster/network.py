@@ -80,8 +80,8 @@ def choose_network(mode, host, enter=enter_private_network):
     if mode not in MODES:
         raise ValueError(f"--network must be one of {', '.join(MODES)}. Received: {mode!r}")
     exposed = ("TensorFlow's servers listen on all interfaces without authentication: "
-               "keep the cluster's ports unreachable from untrusted networks (README: "
-               "Security)")
+               "keep the cluster's ports unreachable from untrusted networks "
+               "(docs/guides/multi-worker.md, Security)")
     if mode == HOST:
         return HOST, exposed
     if not is_loopback(host):
@@ -94,8 +94,8 @@ def choose_network(mode, host, enter=enter_private_network):
         enter()
     except OSError as error:
         if mode == PRIVATE:
-            raise ValueError(f"--network=private: {error}. Use --network=host (see the "
-                             f"README's Security section).") from None
+            raise ValueError(f"--network=private: {error}. Use --network=host (see "
+                             f"docs/guides/multi-worker.md, Security).") from None
         return HOST, f"no private network ({error}); {exposed}"
     return PRIVATE, ("tasks run in a private network (loopback only): nothing outside can "
                      "reach their servers, and they cannot reach the network. Pass "

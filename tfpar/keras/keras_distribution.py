@@ -90,7 +90,7 @@ def model_parallel(mesh, layout_map=None, batch_dim_name=None):
     with `layout_map` (None: every variable replicated), the batch split along
     `batch_dim_name` (default: the mesh's first axis).
 
-    Example:
+    Examples:
       >>> import keras
       >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
       ...                                      keras.distribution.list_devices()[:2])
@@ -112,7 +112,7 @@ def model_parallel(mesh, layout_map=None, batch_dim_name=None):
 # --- DataParallel: tfpar's DataParallelStrategy ---------------------------------------
 # A `keras.distribution.DataParallel` (replicated variables, the batch split over the
 # devices) trains under `tfpar.DataParallelStrategy` on those devices: one device's
-# numbers (README conformance table), NCCL on GPUs, everything that strategy supports
+# numbers (the conformance table, docs/conformance.md), NCCL on GPUs, everything that strategy supports
 # (ZeRO sharding, accumulation, XLA) rather than DTensor's subset of it.
 
 _strategies = {}  # id(DataParallel) -> (the distribution, its DataParallelStrategy)
@@ -178,7 +178,7 @@ def _backend_functions():
         # as JAX's sharding constraint); outside, placed on the mesh piece by piece. In a
         # user's tf.function likewise relaid: DTensor runs a function on the mesh when an
         # input is on it. (Given only ordinary tensors the function runs off the mesh,
-        # where TensorFlow has no Relayout kernel, and a trace cannot tell which: README.)
+        # where TensorFlow has no Relayout kernel, and a trace cannot tell which: docs/guides/keras-distribution.md.)
         if layout is None:
             return tensor
         if not isinstance(layout, keras.distribution.TensorLayout):

@@ -27,7 +27,7 @@ class OnDevice(keras.layers.Wrapper):
     Raises:
       DeviceError: `device` is malformed or does not exist.
 
-    Example:
+    Examples:
       >>> import keras, tfpar
       >>> inputs = keras.Input((4,))
       >>> hidden = tfpar.layers.OnDevice(keras.layers.Dense(8), "/cpu:0")(inputs)

@@ -14,7 +14,7 @@ class StageBoundary(keras.layers.Layer):
     loads as usual. In a functional model a marker must sit where exactly one
     tensor crosses from the layers before it to the layers after it.
 
-    Example:
+    Examples:
       >>> import keras, tfpar
       >>> model = keras.Sequential([
       ...     keras.Input((4,)),

@@ -50,8 +50,9 @@ class Traffic:
 class Option:
     """One layout: its strategy, degrees, memory per device, traffic and whether it fits.
 
-    >>> [(o.name, o.bytes_per_device, o.fits) for o in advise(1000, 4, 5000).options[2:4]]
-    [('ZeRO stage 2', 7000, False), ('ZeRO stage 3', 4000, True)]
+    Examples:
+        >>> [(o.name, o.bytes_per_device, o.fits) for o in advise(1000, 4, 5000).options[2:4]]
+        [('ZeRO stage 2', 7000, False), ('ZeRO stage 3', 4000, True)]
     """
 
     name: str  # "data parallel", "ZeRO stage 2", "pipeline, 4 stages"

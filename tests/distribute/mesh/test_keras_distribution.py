@@ -564,7 +564,7 @@ def test_keras_distribute_tensor_inside_a_users_tf_function():
     np.testing.assert_array_equal(pieces[0], value[:, :2] * 2)
     np.testing.assert_array_equal(pieces[1], value[:, 2:] * 2)
     # A function given only ordinary tensors runs off the mesh: TensorFlow's own error,
-    # as the README says, also when it is the first place a mesh is met (in a fresh
+    # as its guide says, also when it is the first place a mesh is met (in a fresh
     # process; it was "`pack` must be called eagerly", from laying the mesh out there).
     program = (
         "import tfpar; tfpar.virtual_cpus(2)\n"

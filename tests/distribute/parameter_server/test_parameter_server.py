@@ -215,7 +215,7 @@ def test_sync_mode_equals_one_device_for_every_loss_reduction(sync_run, case):
     tolerance = 1e-2 if case == "mixed_float16" else 2e-5  # float16 compute (as in conformance)
     assert result["weight_difference"] < tolerance, result
     if case == "batch norm":
-        return  # Each part normalizes by its own moments (the README's table says so).
+        return  # Each part normalizes by its own moments (the parameter-server guide's table says so).
     for name, values in result["history"].items():
         assert values == pytest.approx(result["local_history"][name], rel=tolerance), name
 

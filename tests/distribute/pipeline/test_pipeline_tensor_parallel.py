@@ -236,7 +236,7 @@ def test_two_replicas_of_the_split_pipeline_train_as_one_device_with_and_without
     for result in results:
         assert result["difference"] < 1e-5, result
     plain, zero1, zero3, three_d = results
-    # The README's 3D example (keras-hub blocks, R x K x T from the mesh, ZeRO-1).
+    # The pipeline guide's 3D example (keras-hub blocks, R x K x T from the mesh, ZeRO-1).
     assert three_d["degrees"] == [2, 2, 2]
     assert [s[-1] for s in three_d["stages"]] == ["transformer_layer_0", "lm_head"], three_d
     # Replica r's copy of stage 0's shard t on /cpu:(4r + t); the copies took the same update,

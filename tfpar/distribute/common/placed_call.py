@@ -106,7 +106,7 @@ def placed_call(fn, device, *args, **kwargs):
     Returns:
       What `fn` returns.
 
-    Example:
+    Examples:
       >>> import tensorflow as tf
       >>> w = tf.Variable(2.0)
       >>> x = tf.constant(3.0)

@@ -85,7 +85,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         sum stays in range), the sum is cast back. None: full precision. Not with
         `shard` yet.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np, tfpar
       >>> strategy = tfpar.DataParallelStrategy()
       >>> with strategy.scope():

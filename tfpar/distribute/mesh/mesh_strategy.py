@@ -12,7 +12,7 @@ def use_keras_distribution():
     the seam (`tfpar.keras.keras_distribution`), on DTensor (`tfpar.distribute.mesh.mesh_runtime`), a `DataParallel`
     trained by `tfpar.DataParallelStrategy`. Idempotent.
 
-    Example:
+    Examples:
       >>> import keras, tfpar
       >>> tfpar.use_keras_distribution()
       >>> mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"],
@@ -50,7 +50,7 @@ class MeshStrategy:
         None: every variable replicated.
       batch_dim_name: the mesh axis of data parallelism (default: the first).
 
-    Example:
+    Examples:
       >>> import keras, numpy as np, tfpar
       >>> mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"),
       ...                                      keras.distribution.list_devices()[:2])

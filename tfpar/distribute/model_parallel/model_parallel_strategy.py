@@ -113,7 +113,7 @@ class ModelParallelStrategy(PlacingStrategy, tf.distribute.OneDeviceStrategy):
         before any variable of the model gets storage: one that puts more
         estimated bytes on a device raises `PlacementError`, with the numbers.
 
-    Example:
+    Examples:
       >>> import keras, numpy as np, tfpar
       >>> strategy = tfpar.ModelParallelStrategy(["/cpu:0", "/cpu:1"])
       >>> with strategy.scope():

@@ -145,7 +145,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
       tensor_parallel: T, the devices each stage is split over (Megatron's tensor
         parallelism inside a stage; `tfpar.distribute.pipeline.tensor_parallel`). The
         devices are then R x K x T, replica-major, then stage: stage s of replica r on
-        devices[(r*K + s)*T:][:T]. Needs `layout_map`; not yet with cluster_resolver,
+        `devices[(r*K + s)*T:][:T]`. Needs `layout_map`; not yet with cluster_resolver,
         balance_by="time" or schedule="2bw". With num_replicas and shard, each shard's
         state is divided over its R copies as any stage variable's (Megatron x DeepSpeed).
       layout_map: with tensor_parallel, a `keras.distribution.LayoutMap`, as written for
@@ -173,7 +173,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         run with yet. (A layout it cannot run is a PlacementError when the model is placed,
         naming the layer and the key.)
 
-    Example:
+    Examples:
       >>> import keras, numpy as np, tfpar
       >>> strategy = tfpar.PipelineStrategy(["/cpu:0", "/cpu:1"], num_micro_batches=4)
       >>> with strategy.scope():

@@ -1,20 +1,21 @@
-"""README.md's conformance table is exactly the one rendered from expected.py."""
+"""The documentation's conformance table (docs/conformance.md) is exactly the one rendered
+from expected.py."""
 
 import os
 
 import expected
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "conformance.md")
 
 
-def test_readme_has_the_rendered_conformance_table():
-    with open(README) as f:
+def test_the_conformance_page_has_the_rendered_table():
+    with open(PAGE) as f:
         text = f.read()
     assert text.count(expected.TABLE_START) == 1 and text.count(expected.TABLE_END) == 1
     start = text.index(expected.TABLE_START)
     end = text.index(expected.TABLE_END) + len(expected.TABLE_END)
     assert text[start:end] == expected.render_table(), (
-        "README.md's conformance table is stale: paste expected.render_table() between the "
+        "docs/conformance.md's table is stale: paste expected.render_table() between the "
         "markers")
 
 
