@@ -41,23 +41,32 @@ def _single_process_weights(epochs, examples, optimizer="sgd"):
     return model.get_weights()
 
 
-# 136 examples end with a partial global batch of 8: it must split, not hang.
-@pytest.mark.parametrize("examples", [128, 136])
-def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples):
+# 136 examples end with a partial global batch of 8: it must split, not hang. With
+# compression="fp16" the workers sum float16 gradients across processes: they agree with each
+# other, and with one process to float16's rounding only.
+@pytest.mark.parametrize("examples, compression", [(128, None), (136, None), (128, "fp16")])
+def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples, compression):
     workers = cluster(2)
-    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}"])
+    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}"]
+                  + ([f"--compression={compression}"] if compression else []))
     assert workers.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], workers.output()[-4000:]
     results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
+    options = f", compression={compression!r}" if compression else ""
     for result in results:
-        assert result["strategy"] == "DataParallelStrategy(workers=2, replicas=2, communication='ring')"
+        assert result["strategy"] == ("DataParallelStrategy(workers=2, replicas=2, "
+                                      f"communication='ring'{options})")
         assert result["epochs_run"] == 2
         assert result["iterations"] == 2 * -(-examples // common.GLOBAL_BATCH)
         assert result["predictions_shape"] == [examples, 3]
     weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in (0, 1)]
     for w0, w1 in zip(*weights):
         np.testing.assert_array_equal(w0, w1)
-    for got, want in zip(weights[0], _single_process_weights(2, examples)):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    want = _single_process_weights(2, examples)
+    tolerance = 1e-3 if compression else 1e-5
+    for got, expected in zip(weights[0], want):
+        np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance)
+    if compression:  # The rounding happened: not one process's weights to float32's noise.
+        assert max(float(np.abs(g - w).max()) for g, w in zip(weights[0], want)) > 1e-6
 
 
 def _train_args(model_dir, epochs):
