@@ -27,19 +27,17 @@ def all_reduce_sum(context, compression, grads_and_vars, keras_all_reduce, optim
     """Keras' `_all_reduce_sum_gradients` of `grads_and_vars` in replica `context`, the
     float gradients summed in the wire type of `compression`; the others by Keras."""
     wire, n = WIRE[compression], context.num_replicas_in_sync
-    grads_and_vars = list(grads_and_vars)
-    chosen = [i for i, (g, _) in enumerate(grads_and_vars) if _compressible(g)]
-    if chosen:
-        scale = 1.0 / n if compression == "fp16" else 1.0
-        sent = [tf.cast(grads_and_vars[i][0] * scale, wire) for i in chosen]
-        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+    in_range = compression == "fp16"  # (bfloat16 has float32's range: nothing to scale.)
     out = list(grads_and_vars)
-    rest = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in chosen]
+    chosen = [i for i, (g, _) in enumerate(out) if _compressible(g)]
+    rest = [i for i, (g, _) in enumerate(out) if g is not None and i not in chosen]
+    if chosen:
+        sent = [tf.cast(out[i][0] / n if in_range else out[i][0], wire) for i in chosen]
+        for i, total in zip(chosen, context.all_reduce(tf.distribute.ReduceOp.SUM, sent)):
+            grad, variable = out[i]
+            total = tf.cast(total, grad.dtype)
+            out[i] = (total * n if in_range else total, variable)
     if rest:  # (Keras refuses a list without any gradient.)
-        for i, pair in zip(rest, keras_all_reduce(optimizer, [grads_and_vars[i]
-                                                              for i in rest])):
+        for i, pair in zip(rest, keras_all_reduce(optimizer, [out[i] for i in rest])):
             out[i] = pair
-    for i, total in zip(chosen, summed if chosen else ()):
-        grad, variable = grads_and_vars[i]
-        out[i] = (tf.cast(total, grad.dtype) / scale, variable)
     return out

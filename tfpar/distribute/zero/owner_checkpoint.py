@@ -41,14 +41,17 @@ class OwnerCheckpoint:
         self._timeout = timeout_seconds
         self._key = f"owner_checkpoint/{save_index}"
 
-    def writer_of(self, value):
-        """The worker that writes `value`: the worker of the replica owning it (optimizer
-        state, a stage-3 weight, a weight whose state has an owner), else the chief (0)."""
-        storage = _storage(value)
+    def _owner(self, storage):
+        """The replica owning `storage` (optimizer state: its variable's owner; a stage-3
+        weight, a weight whose state has an owner), or None."""
         if storage is None:
-            return 0
-        reference = self._owners.slots.get(id(storage), storage)
-        owner = self._owners.owner_if_known(reference)
+            return None
+        return self._owners.owner_if_known(self._owners.slots.get(id(storage), storage))
+
+    def writer_of(self, value):
+        """The worker that writes `value`: the worker of the replica owning it, else the
+        chief (0)."""
+        owner = self._owner(_storage(value))
         return 0 if owner is None else owner // self._per_worker
 
     def local_value(self, value):
@@ -56,8 +59,7 @@ class OwnerCheckpoint:
         is, never fetched: under stage 3 Keras' conversion would fetch it from its
         owner); any other value as it is, for Keras to convert as it always does."""
         storage = _storage(value)
-        if storage is None or not (id(storage) in self._owners.slots
-                                   or self._owners.owner_if_known(storage) is not None):
+        if self._owner(storage) is None:
             return value
         return storage.read_value().numpy()
 
