@@ -309,7 +309,7 @@ def communication_of(devices):
     where TensorFlow's in-process NCCL ops cannot run: "nccl", an all-reduce by the
     collectives' NCCL implementation (peers, no root). Over CPUs of several processes still
     the add on the first device: TensorFlow's ring of CPU collectives over gRPC measured
-    more bytes at every process (BUILD_NOTES, session 23)."""
+    more bytes at every process (BUILD_NOTES, "Tensor parallelism and hybrids")."""
     types = [devices_lib.device_type(d) for d in devices]
     spans = devices_lib.spans_tasks(devices)
     if spans and set(types) != {"GPU"}:
