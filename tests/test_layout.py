@@ -117,7 +117,7 @@ PURE_MAY_READ = {("tfpar.viz.pipeline_trace", "tensorflow.tsl.profiler.protobuf"
 
 # (tfpar.viz.pipeline_profiler runs TensorFlow's profiler: glue, beside the drawing it feeds.)
 @pytest.mark.parametrize("prefix", ["tfpar.plan", "tfpar.viz.pipeline_trace",
-                                    "tfpar.cluster.tf_config"])
+                                    "tfpar.viz.plan_pictures", "tfpar.cluster.tf_config"])
 def test_pure_modules_import_no_tensorflow_glue(prefix):
     imports = _imports_of([prefix])
     assert imports

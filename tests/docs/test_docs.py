@@ -1,5 +1,6 @@
 """The documentation site (`docs/`, MkDocs): it builds without a warning, its API page lists
-every public name, and every Python snippet on its pages runs."""
+every public name, every image its pages show exists, and every Python snippet on its pages
+runs."""
 
 import os
 import re
@@ -54,6 +55,18 @@ def test_the_api_page_lists_every_public_name():
     text = open(os.path.join(DOCS, "api.md")).read()
     listed = set(re.findall(r"^## `tfpar\.(\w+)`", text, re.M))
     assert listed == set(tfpar._EXPORTS), set(tfpar._EXPORTS) ^ listed
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)")
+
+
+def test_every_image_a_page_shows_exists():
+    """(`mkdocs build --strict` fails on a missing one too, but only in the slow test.)"""
+    missing = [f"{page}: {target}" for page in _pages()
+               for target in IMAGE.findall(open(os.path.join(DOCS, page)).read())
+               if not target.startswith(("http://", "https://"))
+               and not os.path.exists(os.path.join(DOCS, os.path.dirname(page), target))]
+    assert not missing, missing
 
 
 def test_a_snippet_not_run_names_the_test_that_runs_its_code():

@@ -155,12 +155,13 @@ def _tick_step(total_ms):
     return 10000
 
 
-def draw_timeline(path, spans, row_names, title, width=1400):
-    """Draws one box per span, a row per device, time on the x axis (ms); saves a PNG."""
+def draw_timeline(path, spans, row_names, title, width=1400, unit="ms", unit_scale=1e3):
+    """Draws one box per span, a row per device, time on the x axis (a span's seconds times
+    `unit_scale`, in `unit`s: ms by default); saves a PNG."""
     from PIL import Image, ImageDraw
 
     origin = min(start for _, _, start, _ in spans)
-    total_ms = max((end - origin) * 1e3 for _, _, _, end in spans) or 1.0
+    total_ms = max((end - origin) * unit_scale for _, _, _, end in spans) or 1.0
     left, right, top, row_height, gap = 190, 30, 58, 44, 8
     height = top + len(row_names) * row_height + 50
     image = Image.new("RGB", (width, height), "white")
@@ -182,13 +183,15 @@ def draw_timeline(path, spans, row_names, title, width=1400):
         draw.line([(x, top - 4), (x, bottom)], fill=(225, 225, 225))
         draw.text((x - 10, bottom + 6), f"{tick:g}", fill="black", font=small)
         tick += step
-    draw.text((width - right - 60, bottom + 24), "time (ms)", fill="black", font=small)
+    axis = f"time ({unit})"
+    draw.text((width - right - max(60, draw.textlength(axis, font=small)), bottom + 24), axis,
+              fill="black", font=small)
     for row, name in enumerate(row_names):
         y = top + row * row_height
         draw.text((10, y + row_height / 2 - 8), name, fill="black", font=small)
     for label, row, start, end in spans:
         y0 = top + row * row_height + gap / 2
-        x0, x1 = x_of((start - origin) * 1e3), x_of((end - origin) * 1e3)
+        x0, x1 = x_of((start - origin) * unit_scale), x_of((end - origin) * unit_scale)
         kind = re.sub(r"\d", "", label)
         color = _COLORS.get(kind, ("", _OTHER_COLOR))[1]
         draw.rectangle([x0, y0, max(x1, x0 + 1), y0 + row_height - gap], fill=color,
