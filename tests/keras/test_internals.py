@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -64,12 +65,15 @@ def _objects():
     averaging.build(functional.trainable_variables)
     with tf.Graph().as_default():
         graph_op = tf.constant(0.0).op
+    epoch_iterator = internals.symbol("keras.src.backend.tensorflow.trainer.TFEpochIterator")(
+        distribute_strategy=strategy, x=np.zeros((4, 4), "float32"), batch_size=2)
     model_objects = [optimizer, averaging, functional, functional.layers[1], functional._compile_loss, sequential,
                      hidden, functional.weights[0], functional.weights[0]._value, mirrored,
                      mirrored._values[0].handle, strategy.extended,
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
                      keras.layers.BatchNormalization(),
                      keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
+                     epoch_iterator,
                      internals.symbol("keras.src.saving.saving_lib"),
                      internals.symbol("keras.src.backend.tensorflow.distribution_lib")]
     return model_objects

@@ -54,6 +54,7 @@ from tfpar.contract import hooks_of
 from tfpar.keras.replica_context import replica_context
 from tfpar.keras import compression
 from tfpar.keras import gradient_clipping
+from tfpar.keras import look_ahead
 from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import steps
@@ -816,4 +817,4 @@ def patches():
         (optimizer, "_all_reduce_sum_gradients", _reduced_where_they_are),
         (optimizer, "_overwrite_model_variables_with_average_value",
          _ema_overwritten_per_replica),
-    ] + gradient_clipping.patches()
+    ] + gradient_clipping.patches() + look_ahead.patches()
