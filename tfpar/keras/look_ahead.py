@@ -5,7 +5,7 @@ At the end of each epoch Keras' epoch iterator makes the next epoch's iterator a
 epoch makes a fresh one instead, and evaluate and predict have no next epoch, so that
 iterator is dropped unread. Under a strategy it is a distributed iterator: TensorFlow's
 MultiDeviceIterator traces 6 functions per device to make one (0.22 s on 2 CPUs, more on 4;
-measured), 3 of the 8 that a 1-epoch fit, evaluate and predict made on 2 replicas.
+measured): 4 of the 8 that a fit of 2 epochs, evaluate and predict made on 2 replicas.
 
 For data Keras batches itself from arrays (its ArrayDataAdapter: a dataset that nobody else
 holds and that this epoch iterator alone reads), that iterator is made when an epoch first
