@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -326,6 +327,31 @@ def test_a_private_named_in_the_runtime_is_caught():
         "1: 'tensorflow.python.eager.context.context'"]
     assert private_names("from keras.src import backend\n", {}) == [
         "1: import keras.src"]
+
+# A `call` set on one layer or model, or a class of its own given to one variable, goes
+# through the seam's ledger (`tfpar.keras.hooks.patch_object`), so `remove_patches` can undo it.
+_OBJECT_PATCH = re.compile(r'__setattr__\([^,]+,\s*"(call|__class__)"|\.__class__\s*=[^=]')
+
+
+def object_patches_outside_the_ledger(sources):
+    return sorted(f"{name}:{number}" for name, text in sources.items()
+                  if name != "tfpar.keras.hooks"
+                  for number, line in enumerate(text.splitlines(), 1)
+                  if _OBJECT_PATCH.search(line))
+
+
+def test_per_object_patches_go_through_the_ledger():
+    stray = object_patches_outside_the_ledger(
+        {name: path.read_text() for name, path in _modules().items()})
+    assert not stray, stray
+
+
+def test_a_per_object_patch_outside_the_ledger_is_caught():
+    assert object_patches_outside_the_ledger({
+        "tfpar.a": 'object.__setattr__(layer, "call", f)\n',
+        "tfpar.b": "variable.__class__ = Mine\n",
+        "tfpar.c": "if variable.__class__ == Mine: pass\n"}) == ["tfpar.a:1", "tfpar.b:1"]
+
 
 def test_module_file_names_are_unique():
     """One file name, one module: `memory.py` in three packages read as one in a traceback,

@@ -31,9 +31,6 @@ class StrategyHooks:
     _tfpar_multi_worker = False
     # Parameter-server training: fit, evaluate and predict through a ClusterCoordinator.
     _tfpar_parameter_server = False
-    # Synchronous parameter-server training: the chief splits each batch over the workers
-    # and applies one update of their summed gradients (`_tfpar_sync_gradients`).
-    _tfpar_synchronous = False
     # Optimizer updates one variable after another (a device holds one update's temporaries).
     _tfpar_updates_in_turn = False
     # A replica's gradients live on its layers' devices (pipelines, model parallelism).
@@ -96,9 +93,10 @@ class StrategyHooks:
     # (variables) -> lists of indices into `variables` that are one Keras variable's shards
     # (a tensor-parallel pipeline), clipped by their joint norm (`clipnorm`).
     _tfpar_clip_groups = None
-    # (variables, num_parts) -> where a synchronous step's parts keep their gradients and
-    # loss counts until they are summed (`tfpar.distribute.parameter_server.ps_sync.SyncGradients`).
-    _tfpar_sync_gradients = None
+    # (name, model, *args, **kwargs) -> what Keras' `fit`, `evaluate` or `predict` (`name`)
+    # returns, run by the strategy's own loop (parameter servers:
+    # `tfpar.distribute.parameter_server.ps_loops`).
+    _tfpar_run_loop = None
     # Set by ZeRO's set_up (`tfpar.distribute.zero.zero_sharding.StepShapes`), written by its
     # step: the gradient bytes a replica reduces per step, read by the strategy's memory
     # report.

@@ -330,7 +330,7 @@ def _all_wraps(monkeypatch):
     from tfpar.distribute.mesh import mesh_strategy
     from tfpar.keras import hooks
     from tfpar.keras import keras_distribution as mesh
-    from tfpar.keras import ps_loops as parameter_server
+    from tfpar.keras import ps_adapters as parameter_server
     from tfpar.keras import replicas
     from tfpar.keras import variable_birth
     from tfpar.keras import zero_optimizers as sharded

@@ -39,7 +39,7 @@ def test_the_train_step_hook_is_not_mistaken_for_a_users_override():
     """Once a PipelineStrategy exists, keras.Model.train_step is tfpar's wrapper: the
     parameter-server loops then took every model for one that overrides train_step (and
     lost sharded-variable training)."""
-    from tfpar.keras import ps_loops as parameter_server, steps
+    from tfpar.keras import ps_adapters as parameter_server, steps
 
     keras_seam.install_train_step_hook()
     assert keras.Model.train_step._tfpar_train_step_hook
@@ -50,9 +50,9 @@ def test_the_train_step_hook_is_not_mistaken_for_a_users_override():
 
     plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     assert steps.is_keras_train_step(keras.Model.train_step)
-    assert not parameter_server._overrides_train_step(plain)
+    assert not parameter_server.overrides_train_step(plain)
     inputs = keras.Input((2,))
-    assert parameter_server._overrides_train_step(Own(inputs, keras.layers.Dense(1)(inputs)))
+    assert parameter_server.overrides_train_step(Own(inputs, keras.layers.Dense(1)(inputs)))
 
 
 def test_every_patch_can_be_removed_and_stock_keras_comes_back():
@@ -68,4 +68,6 @@ def test_every_patch_can_be_removed_and_stock_keras_comes_back():
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["attributes"] > 40 and result["undone"] == result["replaced"], result
+    # The placed layers' and the pipelined model's own `call`s (per-object patches) too.
+    assert result["own_calls"] >= 3 and result["own_calls_after"] == 0, result
     assert result["restored"] and result["stock_equal"], result

@@ -44,13 +44,30 @@ tfpar.use_keras_distribution()
 hooks.install_parameter_server_training()
 hooks.install_multi_worker_callbacks()
 hooks.install_cluster_error_explanation()
+# Per-object patches: the layers of a model placed by ModelParallelStrategy get a `call` of
+# their own, and a pipelined model one too.
+with tfpar.ModelParallelStrategy(CPUS).scope():
+    placed = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    placed.compile("sgd", "mse")
+with tfpar.PipelineStrategy(CPUS, num_micro_batches=2).scope():
+    pipelined = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                  keras.layers.Dense(3)])
+    pipelined.compile("sgd", "mse")
+for model in (placed, pipelined):
+    model.fit(np.zeros((4, 4), "float32"), np.zeros((4, 3), "float32"), batch_size=4,
+              verbose=0)
+objects = [placed, *placed.layers, pipelined]
+own_calls = sum("call" in vars(o) for o in objects)
+object_patches = len(hooks._object_patches)
 records = list(hooks._applied)
 first_before = {}
 for owner, name, previous in records:
     first_before.setdefault((id(owner), name), (owner, name, previous))
 undone = hooks.remove_patches()
+own_calls_after = sum("call" in vars(o) for o in objects)
 restored = all(vars(owner).get(name, hooks._ABSENT) is previous
                for owner, name, previous in first_before.values())
 after = stock_weights()
-print(json.dumps({"replaced": len(records), "attributes": len(first_before), "undone": undone,
-                  "restored": restored, "stock_equal": before == after}))
+print(json.dumps({"replaced": len(records) + object_patches, "attributes": len(first_before),
+                  "undone": undone, "restored": restored, "stock_equal": before == after,
+                  "own_calls": own_calls, "own_calls_after": own_calls_after}))

@@ -9,7 +9,9 @@
   model, the layers a model is placed by, a layer's call shapes, a build from shapes);
 - `pipeline_stages.py`: a functional or Sequential model cut into pipeline stages, each run by
   Keras' own graph runner;
-- `ps_loops.py`: `fit`/`evaluate`/`predict` on a parameter-server cluster;
+- `ps_adapters.py`: what the parameter-server strategy's own `fit`/`evaluate`/`predict`
+  loops need of Keras (data adapters, callbacks, steps, metrics), and those methods routed
+  to them;
 - `tf_runtime.py`, `tf_variables.py`, `tf_coordinator.py`: TensorFlow's distribution
   runtime (extended classes and their state, collectives, devices, the eager context),
   its variables' copies, the parameter-server coordinator, as the strategies use them;

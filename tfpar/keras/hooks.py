@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 
 from tfpar.contract import hooks_of
 from tfpar.keras import internals
@@ -29,6 +30,43 @@ _applied = []
 def _replace(owner, name, value):
     _applied.append((owner, name, vars(owner).get(name, _ABSENT)))
     setattr(owner, name, value)
+
+
+# Replacements on single objects (a placed layer's or a pipelined model's `call` set on the
+# instance, a ZeRO-3 variable's class), in order: (weak reference to the object, name, what
+# it held before, or _ABSENT). Weak: the ledger keeps no model alive. `remove_patches`
+# undoes those whose object is alive.
+_object_patches = []
+
+
+def patch_object(obj, name, value):
+    """Sets `obj`'s own attribute `name` (`"call"`, or `"__class__"` for a class of its own)
+    to tfpar's `value`, bypassing Keras' attribute tracking, in the ledger."""
+    with _lock:
+        before = type(obj) if name == "__class__" else vars(obj).get(name, _ABSENT)
+        object.__setattr__(obj, name, value)
+        if len(_object_patches) % 256 == 255:  # Forget objects that are gone.
+            _object_patches[:] = [p for p in _object_patches if p[0]() is not None]
+        _object_patches.append((weakref.ref(obj), name, before))
+
+
+def unpatch_object(obj, name):
+    """Puts back what `obj.name` held before tfpar's latest `patch_object` of it."""
+    with _lock:
+        for index in range(len(_object_patches) - 1, -1, -1):
+            ref, patched, before = _object_patches[index]
+            if patched == name and ref() is obj:
+                del _object_patches[index]
+                _restore_object(obj, name, before)
+                return
+        raise ValueError(f"tfpar did not patch {name!r} of {obj!r}")
+
+
+def _restore_object(obj, name, before):
+    if before is _ABSENT:
+        object.__delattr__(obj, name)
+    else:
+        object.__setattr__(obj, name, before)
 
 
 # The Keras seam's own marks on Keras and TensorFlow objects, set and read by name (the
@@ -80,10 +118,15 @@ def replace_attribute(owner, name, value, private=True):
 
 def remove_patches():
     """Puts back everything tfpar replaced in Keras and TensorFlow (the wraps its strategies
-    and `use_keras_distribution` installed), newest first: stock behaviour again. Returns how
-    many replacements were undone. A strategy made afterwards installs its wraps again."""
+    and `use_keras_distribution` installed, and what it set on single objects still alive),
+    newest first: stock behaviour again. Returns how many replacements were undone. A strategy made afterwards installs its wraps again."""
     with _lock:
-        undone = len(_applied)
+        undone = len(_applied) + len(_object_patches)
+        while _object_patches:
+            ref, name, before = _object_patches.pop()
+            obj = ref()
+            if obj is not None:
+                _restore_object(obj, name, before)
         while _applied:
             owner, name, before = _applied.pop()
             if before is _ABSENT:
@@ -365,7 +408,7 @@ def install_sharded_optimizers():
 
 def install_parameter_server_training():
     """Makes Keras' fit/evaluate/predict work under tfpar.ParameterServerStrategy."""
-    from tfpar.keras import ps_loops as keras_parameter_server
+    from tfpar.keras import ps_adapters as keras_parameter_server
 
     for owner, name, wrap in keras_parameter_server.patches():
         _wrap_once(owner, name, wrap, "_tfpar_parameter_server")

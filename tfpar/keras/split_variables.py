@@ -19,6 +19,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
+from tfpar.keras import hooks
 from tfpar.keras import internals
 from tfpar.keras import variable_birth
 
@@ -249,12 +250,12 @@ def calls_replaced(replacements):
     attribute, which is set on the instance for the block."""
     _check_instance_calls()
     for layer, call in replacements.items():
-        object.__setattr__(layer, "call", call)
+        hooks.patch_object(layer, "call", call)
     try:
         yield
     finally:
         for layer in replacements:
-            object.__delattr__(layer, "call")
+            hooks.unpatch_object(layer, "call")
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,8 +265,9 @@ def _check_instance_calls():
 
     probe = keras.layers.Identity()  # No variables: asked inside a step being traced.
     ran = []
-    object.__setattr__(probe, "call", lambda inputs, **kwargs: ran.append(1) or inputs)
+    hooks.patch_object(probe, "call", lambda inputs, **kwargs: ran.append(1) or inputs)
     with tf.init_scope():
         probe(tf.zeros((1, 1)))
+    hooks.unpatch_object(probe, "call")
     internals.check(ran == [1], "Keras' Layer.__call__ running the `call` of the layer "
                     "instance (tfpar sets it on the split layers inside a composite layer)")

@@ -429,7 +429,7 @@ def _wrap_call(layer, device):
     # object.__setattr__: Keras would track these attributes as layer state.
     object.__setattr__(layer, "_tfpar_original_call", original)
     object.__setattr__(layer, "_tfpar_device", device)
-    object.__setattr__(layer, "call", types.MethodType(_placed_layer_call, layer))
+    keras_hooks.patch_object(layer, "call", types.MethodType(_placed_layer_call, layer))
 
 
 def _placed_layer_call(layer, *args, **kwargs):

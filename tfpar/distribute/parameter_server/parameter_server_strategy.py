@@ -4,7 +4,7 @@ The chief runs the program. Variables live on the ps tasks (split over several
 with `variable_partitioner`). Each training call is a closure that TensorFlow's
 `ClusterCoordinator` runs on whichever worker is free; a closure lost with its
 worker is run again elsewhere. tfpar adds what Keras 3 dropped: `model.fit`,
-`evaluate` and `predict` (see `tfpar.keras.ps_loops`), state updates that lose
+`evaluate` and `predict` (`ps_loops`), state updates that lose
 nothing (`tfpar.keras.ps_state`), a shard of the data per worker or a tf.data service
 pass per epoch, bounded waits for lost workers, clear errors for bad clusters, and a
 synchronous mode.
@@ -32,7 +32,8 @@ from tfpar.cluster.tf_config import check_parameter_server_cluster
 from tfpar.contract import StrategyHooks
 from tfpar.data import dataset_from_function
 from tfpar.distribute.common.cluster_config import cluster_config
-from tfpar.distribute.parameter_server.ps_sync import ASYNC, MODES, SYNC, SyncGradients
+from tfpar.distribute.parameter_server import ps_loops
+from tfpar.distribute.parameter_server.ps_sync import ASYNC, MODES, SYNC
 from tfpar.errors import ClusterError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import tf_coordinator
@@ -92,7 +93,6 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
                           "Start `python -m tfpar.cluster.server` for each worker and ps task with its "
                           "TF_CONFIG (tfpar launch --workers N --ps K does this)")
         self.mode = mode
-        self._tfpar_synchronous = mode == SYNC
         self.cluster_config = config
         super().__init__(cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver(),
                          variable_partitioner=variable_partitioner)
@@ -108,9 +108,9 @@ class ParameterServerStrategy(StrategyHooks, tf.distribute.experimental.Paramete
     def num_workers(self):
         return len(self.cluster_config.cluster["worker"])  # The chief does not run steps.
 
-    # Asked by the Keras seam's synchronous fit loop (`tfpar.keras.ps_loops`).
-    def _tfpar_sync_gradients(self, variables, num_parts):
-        return SyncGradients(self, variables, num_parts)
+    # Asked by the Keras seam for the model's fit, evaluate and predict.
+    def _tfpar_run_loop(self, name, model, *args, **kwargs):
+        return ps_loops.LOOPS[name](model, *args, **kwargs)
 
     def __repr__(self):
         return (f"tfpar.ParameterServerStrategy(mode={self.mode!r}, workers={self.num_workers}, "

@@ -538,7 +538,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 self.extended.follow_colocated(getattr(model, "optimizer", None))
             object.__setattr__(model, "_tfpar_pipeline", program)
             object.__setattr__(model, "_tfpar_original_call", model.call)
-            object.__setattr__(model, "call", types.MethodType(_pipelined_call, model))
+            keras_hooks.patch_object(model, "call", types.MethodType(_pipelined_call, model))
             mark_placed(self, model)
 
     def _shard_homes(self, chunk):

@@ -257,7 +257,7 @@ def _read_from_owner(variable, strategy, shape):
             return super().assign(value, use_locking=use_locking, name=name,
                                   read_value=read_value)
 
-    variable.__class__ = ReadFromOwner
+    keras_hooks.patch_object(variable, "__class__", ReadFromOwner)
 
 
 def read_parameter(strategy, variable, owner, shape):
