@@ -43,9 +43,10 @@ class StrategyHooks:
     _tfpar_every_worker_saves = False
     # Made by tfpar for a keras.distribution.DataParallel (tfpar.use_keras_distribution).
     _tfpar_from_keras = False
-    # ZeRO's owners of each variable's state (`tfpar.distribute.zero.zero_sharding.ShardOwners`).
+    # ZeRO's owners of each variable's state (`tfpar.distribute.zero.zero_owners.ShardOwners`).
     _tfpar_shard_owners = None
-    # ZeRO's collectives across workers (`tfpar.distribute.zero.zero_sharding.ShardCollectives`).
+    # ZeRO's collectives across workers
+    # (`tfpar.distribute.zero.zero_collectives.ShardCollectives`).
     _tfpar_shard_collectives = None
 
     # -- Asked at given points (None: Keras' own behaviour) ---------------------------------
@@ -65,7 +66,8 @@ class StrategyHooks:
     _tfpar_step_refusal = None
     # (optimizer, grads, variables, learning_rate, ...) -> None: ZeRO's sharded update.
     _tfpar_sharded_update = None
-    # (optimizer, ...) -> ZeRO's gradient accumulation (`sharded.Accumulation`).
+    # (optimizer, ...) -> ZeRO's gradient accumulation
+    # (`tfpar.distribute.zero.zero_update.Accumulation`).
     _tfpar_accumulation = None
     # (optimizer) -> each optimizer variable's whole value in turn, fetched from its owner.
     _tfpar_full_optimizer_state = None
@@ -97,7 +99,7 @@ class StrategyHooks:
     # returns, run by the strategy's own loop (parameter servers:
     # `tfpar.distribute.parameter_server.ps_loops`).
     _tfpar_run_loop = None
-    # Set by ZeRO's set_up (`tfpar.distribute.zero.zero_sharding.StepShapes`), written by its
+    # Set by ZeRO's set_up (`tfpar.distribute.zero.zero_update.StepShapes`), written by its
     # step: the gradient bytes a replica reduces per step, read by the strategy's memory
     # report.
     _tfpar_step_shapes = None

@@ -1,7 +1,7 @@
 """Keras optimizers under `DataParallelStrategy(shard=...)` (ZeRO): the Keras side.
 
 Keras builds an optimizer's state with `add_variable_from_reference`, which the
-strategy places on the variable's owner (`tfpar.distribute.zero.zero_sharding`), and applies
+strategy places on the variable's owner (`tfpar.distribute.zero.zero_owners`), and applies
 gradients through `TFOptimizer._backend_update_step`, which tfpar replaces under a
 sharding strategy by the sharded step. What ZeRO cannot shard is refused when the
 optimizer is built, before any step runs.
@@ -27,7 +27,7 @@ class OwnerStep:
     stage 3 the owner's variable has one copy, which TensorFlow's mirrored update refuses),
     then updated, then its moving average (`use_ema`, optimizer state kept on the owner)
     updated, and the variable overwritten by it every `ema_overwrite_frequency` steps.
-    What the sharded update (`tfpar.distribute.zero.zero_sharding`) calls."""
+    What the sharded update (`tfpar.distribute.zero.zero_update`) calls."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar.distribute.pipeline import pipeline_strategy as pipeline_lib
+from tfpar.distribute.pipeline import pipeline_extended
 from tfpar.errors import BatchSizeError, DeviceError, PlacementError, ScheduleError
 from tfpar.keras import internals
 from tfpar.plan.schedule import BACKWARD, bubble_fraction, make_schedule
@@ -236,12 +236,12 @@ def test_nccl_is_chosen_for_gpu_stages():
              "/job:localhost/replica:0/task:0/device:GPU:1"],
             ["/job:localhost/replica:0/task:0/device:GPU:2",
              "/job:localhost/replica:0/task:0/device:GPU:3"]]
-    reductions = pipeline_lib.stage_reductions(grid, cross_device_utils.CollectiveKeys())
+    reductions = pipeline_extended.stage_reductions(grid, cross_device_utils.CollectiveKeys())
     assert [(r.communication, r.devices) for r in reductions] == [
         ("nccl", (grid[0][0], grid[1][0])), ("nccl", (grid[0][1], grid[1][1]))]
     assert all(isinstance(r.ops, tf.distribute.NcclAllReduce) for r in reductions)
-    cpu = pipeline_lib.stage_reductions([["/cpu:0"], ["/cpu:1"]],
-                                        cross_device_utils.CollectiveKeys())
+    cpu = pipeline_extended.stage_reductions([["/cpu:0"], ["/cpu:1"]],
+                                             cross_device_utils.CollectiveKeys())
     assert cpu[0].communication == "reduce_to_one"
 
 
@@ -266,7 +266,7 @@ def test_a_stage_whose_copies_live_in_several_processes_reduces_by_peer_collecti
         # Replica r's stage s on worker task 2r + s (R=2 x K=2, a stage per process).
         grid = [[device.format(0), device.format(1)], [device.format(2), device.format(3)]]
         built.clear()
-        reductions = pipeline_lib.stage_reductions(grid, cross_device_utils.CollectiveKeys())
+        reductions = pipeline_extended.stage_reductions(grid, cross_device_utils.CollectiveKeys())
         assert [(r.communication, r.ops) for r in reductions] == [(name, name)] * 2
         assert built == [((device.format(0), device.format(2)), name),
                          ((device.format(1), device.format(3)), name)]

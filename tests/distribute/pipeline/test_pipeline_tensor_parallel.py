@@ -354,7 +354,7 @@ def test_contradictory_or_unsupported_arguments_are_refused_at_construction():
         tfpar.PipelineStrategy(cpus(3), tensor_parallel=2, layout_map=layout_map)
     # The devices counted as passed, R x K x T of them (6 devices in 3 groups of T=2; this
     # process has 4 CPUs).
-    from tfpar.distribute.pipeline.pipeline_strategy import _stage_count
+    from tfpar.distribute.pipeline.pipeline_config import _stage_count
     with pytest.raises(DeviceError, match=r"\(2 x 2 x 2 = 8\) must equal the number of "
                                           r"devices \(6\).*Pass 8 devices"):
         _stage_count(3, num_replicas=2, num_stages=2, tensor_parallel=2)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from tfpar.distribute.zero.zero_sharding import ShardCollectives
+from tfpar.distribute.zero.zero_collectives import ShardCollectives
 from tfpar.keras import internals
 
 from conftest import cpus, small_model, toy_data
@@ -260,7 +260,7 @@ def test_pairwise_reduce_to_owner_sums_on_the_owner_and_sends_once_per_replica(n
     gradient to the owner alone, which sums. Run for real on logical CPUs; the non-owners'
     results are not used, as in a step (their sends must run anyway, or the owner waits
     until the timeout)."""
-    from tfpar.distribute.zero.zero_sharding import _runs
+    from tfpar.distribute.zero.zero_collectives import _runs
 
     strategy = tfpar.DataParallelStrategy(cpus(n))
     extended = strategy.extended
@@ -536,7 +536,7 @@ def test_weight_gradients_wait_for_earlier_transfers_within_a_window():
     transfer of the gradient about a window before it (last layers first), and an op that
     is not a weight gradient's (one clipped by the global norm) is left alone, so nothing
     it feeds can wait for itself."""
-    from tfpar.distribute.zero import zero_sharding as sharded
+    from tfpar.distribute.zero import zero_pacing
 
     @tf.function
     def step():
@@ -546,7 +546,7 @@ def test_weight_gradients_wait_for_earlier_transfers_within_a_window():
         grads.append(grads[0] * 0.5)  # Clipped: a Mul.
         transfers = [(i, tf.identity(grads[i], name=f"transfer_{i}").op, 256)
                      for i in (4, 3, 2, 1, 0)]
-        sharded._pace_gradients(grads, transfers, window_bytes=300)
+        zero_pacing._pace_gradients(grads, transfers, window_bytes=300)
         return grads
 
     graph = step.get_concrete_function().graph
@@ -562,7 +562,7 @@ def test_weight_gradients_wait_for_earlier_transfers_within_a_window():
                                            ["transfer_4"]]
     # Eagerly (run_eagerly=True) each transfer has ended before the next gradient is used:
     # nothing to pace, and eager tensors have no ops.
-    sharded._pace_gradients([tf.ones([2, 2])] * 2, [(1, None, 16), (0, None, 16)], 8)
+    zero_pacing._pace_gradients([tf.ones([2, 2])] * 2, [(1, None, 16), (0, None, 16)], 8)
     from tfpar.keras import steps
     in_turn = steps.InTurn()
     assert [float(in_turn(tf.reduce_sum, tf.ones([k]))) for k in (2, 3)] == [2.0, 3.0]

@@ -43,7 +43,8 @@ def cluster_index(key_base):
 
 
 # The top half of each block: groups of two replicas (tfpar's point-to-point exchanges,
-# `tfpar.distribute.zero.zero_sharding`), numbered down from the top, clear of the strategy's own.
+# `tfpar.distribute.zero.zero_collectives`), numbered down from the top, clear of the
+# strategy's own.
 _PAIR_KEYS = _BLOCK // 2
 
 

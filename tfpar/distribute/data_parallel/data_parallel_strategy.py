@@ -14,6 +14,9 @@ from tfpar.distribute.common.cross_device import make_cross_device_ops
 from tfpar.distribute.data_parallel import multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
+from tfpar.distribute.zero import zero_collectives
+from tfpar.distribute.zero import zero_owners
+from tfpar.distribute.zero import zero_pacing
 from tfpar.distribute.zero import zero_sharding as sharded
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
@@ -146,7 +149,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         tf.distribute.Strategy.__init__(self, extended)
         keras_hooks.install_exact_replicas()
         self._install_keras_hooks()
-        sharded.set_up(self, self.num_replicas_in_sync, lambda: sharded.ShardCollectives(
+        sharded.set_up(self, self.num_replicas_in_sync, lambda: zero_collectives.ShardCollectives(
             *self._shard_collective_args(extended)))
         self._join_workers()
 
@@ -200,7 +203,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
             optimizer_slots=optimizer_slots,
             reshard_after_forward=self.reshard_after_forward or self._tfpar_shard_stage < 3,
             gradient_window_bytes=self._zero_bucket_bytes
-            if sharded.paces_gradients(self) else 0)
+            if zero_pacing.paces_gradients(self) else 0)
 
     def _tfpar_before_model_call(self, model, args, kwargs):
         # Asked by the Keras seam before a model made under this strategy runs.
@@ -242,7 +245,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
 
 @internals.overrides
-class _DataParallelExtended(sharded.OwnerPlacedVariables, tf_runtime.mirrored_extended()):
+class _DataParallelExtended(zero_owners.OwnerPlacedVariables, tf_runtime.mirrored_extended()):
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack,

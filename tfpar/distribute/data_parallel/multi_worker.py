@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from tfpar.distribute.common.cluster_config import cluster_config
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
-from tfpar.distribute.zero import zero_sharding as sharded
+from tfpar.distribute.zero import zero_owners
 from tfpar.keras import internals
 from tfpar.keras import tf_runtime
 from tfpar.plan.communication import NCCL, RING
@@ -117,7 +117,7 @@ def rank(value):
 
 
 @internals.overrides
-class MultiWorkerExtended(sharded.OwnerPlacedVariables,
+class MultiWorkerExtended(zero_owners.OwnerPlacedVariables,
                           tf_runtime.collective_all_reduce_extended()):
 
     def _reduce_to(self, reduce_op, value, destinations, options):

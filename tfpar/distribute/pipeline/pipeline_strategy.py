@@ -44,15 +44,12 @@ replicas, by the mean over replicas).
 # pylint: disable=protected-access
 
 import contextlib
-import dataclasses
 import threading
-import time
 import types
 
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.distribute.common import device_memory as memory
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import layer_timing
 from tfpar.distribute.common.cross_device import make_cross_device_ops
@@ -60,25 +57,23 @@ from tfpar.distribute.common.layer_placement import PlacingStrategy, claim_model
 from tfpar.distribute.common.placed_call import canonical_device
 from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.pipeline import mirrored_placement
+from tfpar.distribute.pipeline import pipeline_reports
 from tfpar.distribute.pipeline import tensor_parallel as tensor_parallel_lib
-from tfpar.distribute.pipeline import workers as stage_workers
+from tfpar.distribute.pipeline.pipeline_config import PipelineConfig
+from tfpar.distribute.pipeline.pipeline_extended import _PipelineExtended
 from tfpar.distribute.pipeline.weight_versions import WeightVersions
-from tfpar.distribute.zero import zero_sharding as sharded
-from tfpar.errors import DeviceError, PlacementError, ScheduleError
+from tfpar.distribute.zero import zero_collectives, zero_sharding as sharded
 from tfpar.keras import hooks as keras_hooks
-from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import pipeline_stages
 from tfpar.keras import steps
 from tfpar.keras import tf_runtime
-from tfpar.keras import tf_variables
 from tfpar.keras import variable_birth
 from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import schedule as schedule_lib
 from tfpar.plan import sharding
-from tfpar.plan.communication import MULTI_WORKER, select_communication
-from tfpar.viz import pipeline_profiler as profiling
+from tfpar.plan.communication import MULTI_WORKER
 
 
 class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.MirroredStrategy):
@@ -226,81 +221,41 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                  cluster_resolver=None, connect_timeout_seconds=60.0,
                  stage_timeout_seconds=120.0, offload_activations=False, shard=None,
                  tensor_parallel=1, layout_map=None):
-        self._tfpar_shard_stage = sharding.check_shard(shard)
-        self.shard = shard
-        if not isinstance(remat, bool):
-            raise ValueError(f"remat must be True or False. Received: remat={remat!r}")
-        _check_offload(offload_activations, remat)
-        if balance_by not in ("params", "time"):
-            raise PlacementError(f"balance_by must be 'params' or 'time'. Received: "
-                                 f"balance_by={balance_by!r}")
-        # Validates M and the schedule before anything touches devices.
-        if not isinstance(schedule, schedule_lib.Schedule):
-            schedule_lib.make_schedule(schedule, 1, num_micro_batches, virtual_stages)
-        if stage_timeout_seconds is not None and (
-                isinstance(stage_timeout_seconds, bool)
-                or not isinstance(stage_timeout_seconds, (int, float))
-                or not stage_timeout_seconds > 0):
-            raise ValueError(f"stage_timeout_seconds must be a number of seconds > 0, or None "
-                             f"to wait for a silent stage worker without end. Received: "
-                             f"stage_timeout_seconds={stage_timeout_seconds!r}")
-        self._stage_timeout_seconds = stage_timeout_seconds
-        devices, num_replicas, num_stages, tensor_parallel = (
-            tensor_parallel_lib.degrees_of_mesh(layout_map, devices, num_replicas, num_stages,
-                                                tensor_parallel, cluster_resolver is not None))
-        if cluster_resolver is not None:
-            cluster = stage_workers.connect(cluster_resolver, connect_timeout_seconds)
-            if devices is None:
-                devices = cluster.first_devices()
-        resolved = devices_lib.resolve_devices(devices)
-        # The cluster's tasks when stages are on other processes, else None.
-        self._workers = stage_workers.of_devices(resolved)
-        replica_devices = (self._workers.replica_devices(resolved, num_replicas)
-                           if self._workers is not None else None)
-        _check_tensor_parallel(tensor_parallel, layout_map, len(resolved), num_replicas,
-                               self._workers, schedule=schedule, balance_by=balance_by)
-        self._tensor_parallel, self._layout_map = tensor_parallel, layout_map
-        # The stages' devices: R x K x T, replica-major, then stage, then the model axis.
-        tp_grid = [resolved[i:i + tensor_parallel]
-                   for i in range(0, len(resolved), tensor_parallel)]
-        firsts = [row[0] for row in tp_grid]
-        num_stages = _stage_count(len(firsts), num_replicas, num_stages, tensor_parallel)
-        if layout_map is not None:
-            tensor_parallel_lib.check_layout_map(layout_map, tensor_parallel, num_stages,
-                                                 num_replicas)
-        self._tp_grid = tuple(tuple(tuple(tp_grid[r * num_stages + s])
-                                    for s in range(num_stages))
-                              for r in range(num_replicas))
-        _check_shard(shard, num_replicas, schedule, balance_by)
-        self._schedule = _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages)
-        self._remat = remat
-        self._offload = offload_activations
-        self._balance_by = balance_by
-        self._timing_device = (layer_timing.timing_device(resolved, "balance_by='params'")
-                               if balance_by == "time" else None)
+        config = PipelineConfig.resolve(
+            devices=devices, num_micro_batches=num_micro_batches, schedule=schedule,
+            remat=remat, num_replicas=num_replicas, num_stages=num_stages,
+            virtual_stages=virtual_stages, balance_by=balance_by,
+            cluster_resolver=cluster_resolver, connect_timeout_seconds=connect_timeout_seconds,
+            stage_timeout_seconds=stage_timeout_seconds,
+            offload_activations=offload_activations, shard=shard,
+            tensor_parallel=tensor_parallel, layout_map=layout_map)
+        self.shard, self._tfpar_shard_stage = config.shard, config.shard_stage
+        self._schedule, self._remat, self._offload = (
+            config.schedule, config.remat, config.offload_activations)
+        self._balance_by, self._timing_device = config.balance_by, config.timing_device
         self._micro_batch_rows = None  # Timing's micro-batch: the first batch's, else 32.
-        self._grid = tuple(firsts[r * num_stages:(r + 1) * num_stages]
-                           for r in range(num_replicas))
-        given = [devices] if isinstance(devices, str) else (
-            list(devices) if devices is not None else devices_lib.default_devices())
-        self._display = dict(zip(resolved, given))
+        # The cluster's tasks when stages are on other processes, else None.
+        self._workers, self._stage_timeout_seconds = config.workers, config.stage_timeout_seconds
+        self._tensor_parallel, self._layout_map = config.tensor_parallel, config.layout_map
+        self._grid, self._tp_grid, self._display = config.grid, config.tp_grid, config.display
         self._default_home = tuple(row[0] for row in self._grid)  # Metrics, the optimizer's.
         self._lock = threading.RLock()
         self._tp_substitutes = {}  # id(split variable) -> its shards.
         self._tp_reductions = {}  # T devices of several processes -> their CrossDeviceOps.
         # Read by MirroredExtended.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
-        # A shard's copies live on one device of its stage in each replica: each of a
-        # stage's T devices has its own reduction across the replicas.
-        reduction_grid = (tuple(tuple(d for stage in row for d in stage) for row in self._tp_grid)
-                          if tensor_parallel > 1 else None)
-        super(tf.distribute.MirroredStrategy, self).__init__(
-            _PipelineExtended(self, self._grid, reduction_grid, replica_devices))
+        # What MirroredStrategy.__init__ does, with this strategy's extended for its own.
+        tf.distribute.Strategy.__init__(self, _PipelineExtended(
+            self, self._grid, config.reduction_grid, config.replica_devices))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
         # a variable's copies); collectives through the stages' cross-device ops.
         self._zero_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
-        sharded.set_up(self, num_replicas, lambda: sharded.ShardCollectives("all_reduce"),
+        sharded.set_up(self, config.num_replicas,
+                       lambda: zero_collectives.ShardCollectives("all_reduce"),
                        group_of=mirrored_placement.devices_of)
+        self._install_keras_hooks()
+
+    def _install_keras_hooks(self):
         keras_hooks.install_variable_births()
         keras_hooks.install_model_call_hook()
         keras_hooks.install_train_step_hook()
@@ -393,29 +348,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         (shard="parameters"): the stage's variables a device reads from other owners, all
         kept from the forward to the backward pass. `optimizer`: the one a custom loop
         trains with (default: the compiled one)."""
-        if self._tensor_parallel > 1:
-            raise NotImplementedError(
-                "memory_report does not measure a tensor-parallel pipeline yet (its split "
-                "variables are shards on the stages' T devices).")
-        self._place(model)
-        devices = [d for row in self._grid for d in row]
-        stage, owners = self._tfpar_shard_stage, self._tfpar_shard_owners
-        gradients, gather = [0] * len(devices), [0] * len(devices)
-        for variable in model.trainable_weights:
-            value = variable.value  # (Its tf.Variable, as Keras' optimizer colocates with.)
-            copies = (owners.group_devices(value) if stage
-                      else mirrored_placement.devices_of(value))
-            held = memory.resident_bytes(self, [variable], devices)
-            size = memory.num_bytes(variable)
-            for r, device in enumerate(copies):
-                i = devices.index(device)
-                if stage < 2 or owners.owner_of(value) == r:
-                    gradients[i] += size
-                if not held[i]:
-                    gather[i] += size
-        config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
-        return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
-                              config, devices, gradients, gather)
+        return pipeline_reports.memory_report(self, model, optimizer)
 
     def schedule_table(self):
         """The schedule as a time-step x stage grid (e.g. `1F0`), with its bubble fraction."""
@@ -443,50 +376,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         Returns:
           The Chrome trace events (a list of dicts).
         """
-        from tfpar.viz import pipeline_trace
-
-        stage_devices = [d for row in self._grid for d in row]
-        if self._workers is not None:
-            addresses = self._workers.profiler_addresses(stage_devices, profilers)
-        elif profilers:
-            raise ValueError(f"profilers= is for stages on other tasks, but every stage of "
-                             f"this pipeline is in this process. Received: {profilers!r}")
-        else:
-            addresses = []
-        data = tuple(v for v in (x, y, sample_weight) if v is not None)
-        dataset = tf.data.Dataset.from_tensors(data if len(data) > 1 else data[0]).repeat()
-        iterator = iter(self.experimental_distribute_dataset(dataset))
-
-        @tf.function
-        def step(iterator):
-            return self.run(model.train_step, args=(next(iterator),))
-
-        def run_step():
-            # (Through a tensor's value: a step on other tasks is over when its result is here.)
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
-                                  step(iterator), expand_composites=True)
-
-        for _ in range(max(1, warmup_steps)):
-            start = time.perf_counter()
-            run_step()
-        ops = profiling.record_ops(run_step, addresses, time.perf_counter() - start)
-        spans = pipeline_trace.action_spans(ops, self.num_stages)
-        if not spans:
-            raise PlacementError(
-                f"trace() times the pipeline's own train step, but {model.name!r} overrides "
-                f"train_step (or was not created under this strategy's scope).")
-        rows = [f"r{r} stage {s}: {self._name(device)}" if len(self._grid) > 1
-                else f"stage {s}: {self._name(device)}"
-                for r, row in enumerate(self._grid) for s, device in enumerate(row)]
-        empty = [name for i, name in enumerate(rows) if not any(s[1] == i for s in spans)]
-        if empty:
-            # (A task's profiler that started after the step did, or recorded elsewhere.)
-            raise RuntimeError(f"trace() recorded no action of {', '.join(empty)}: its profile "
-                               f"holds none of the step's ops. Profilers given: {profilers!r}.")
-        title = (f"{self._schedule.name}: {self.num_stages} stages x {self.num_micro_batches} "
-                 f"micro-batches{' (remat)' if self._remat else ''}"
-                 f"{f', {len(self._grid)} replicas' if len(self._grid) > 1 else ''}: one step")
-        return pipeline_trace.write_step_trace(path, spans, rows, title)
+        return pipeline_reports.trace(self, path, model, x, y, sample_weight,
+                                      warmup_steps, profilers)
 
     def _name(self, canonical):
         return self._display.get(canonical, canonical)
@@ -675,253 +566,3 @@ def _pipelined_call(model, inputs, training=None, mask=None, **kwargs):
     return pipeline_exec.forward(model._tfpar_pipeline, strategy.chunk_devices(replica),
                                  strategy.num_micro_batches, inputs, training)
 
-
-def _schedule_of(schedule, num_stages, num_micro_batches, virtual_stages):
-    """The validated schedule: built from its name, or a user's `Schedule`, which must
-    fit the strategy (its stages, micro-batches and virtual stages)."""
-    if not isinstance(schedule, schedule_lib.Schedule):
-        built = schedule_lib.make_schedule(schedule, num_stages, num_micro_batches,
-                                           virtual_stages)
-        schedule_lib.validate(built)
-        return built
-    for what, theirs, ours in (("num_stages", schedule.num_stages, num_stages),
-                               ("num_micro_batches", schedule.num_micro_batches,
-                                num_micro_batches),
-                               ("virtual_stages", schedule.virtual_stages, virtual_stages)):
-        if theirs != ours:
-            raise ScheduleError(
-                f"The schedule {schedule.name!r} has {what}={theirs}, but the strategy has "
-                f"{what}={ours}: pass {what}={theirs} to PipelineStrategy, or build the "
-                f"schedule for {ours}.")
-    schedule_lib.validate(schedule)
-    return schedule
-
-
-def _stage_count(num_groups, num_replicas, num_stages, tensor_parallel=1):
-    """The number of stages of `num_groups` groups of `tensor_parallel` devices (one group
-    per stage of each replica); errors count devices, as the user passed them."""
-    if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
-        raise DeviceError(f"num_replicas must be an integer >= 1. Received: {num_replicas!r}")
-    num_devices = num_groups * tensor_parallel
-    times_t = f" x {tensor_parallel}" if tensor_parallel > 1 else ""
-    if num_stages is None:
-        if num_groups % num_replicas:
-            raise DeviceError(
-                f"{num_devices} devices do not split into {num_replicas} pipeline replicas of "
-                f"equal length: num_replicas x num_stages{' x tensor_parallel' * bool(times_t)}"
-                f" must equal the number of devices. Use a multiple of "
-                f"{num_replicas * tensor_parallel} devices, or another num_replicas.")
-        return num_groups // num_replicas
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
-        raise DeviceError(f"num_stages must be an integer >= 1 or None. Received: {num_stages!r}")
-    if num_stages * num_replicas != num_groups:
-        needed = num_replicas * num_stages * tensor_parallel
-        raise DeviceError(
-            f"num_replicas x num_stages{' x tensor_parallel' * bool(times_t)} "
-            f"({num_replicas} x {num_stages}{times_t} = {needed}) must equal the number of "
-            f"devices ({num_devices}): each pipeline replica runs one stage per "
-            f"{'group of tensor_parallel devices' if times_t else 'device'}. Pass {needed} "
-            f"devices, or num_stages=None.")
-    return num_stages
-
-
-def _check_shard(shard, num_replicas, schedule, balance_by):
-    """Refuses what ZeRO over a pipeline's replicas cannot do, saying what to use."""
-    if not shard:
-        return
-    if num_replicas < 2:
-        raise ValueError(
-            f"shard={shard!r} divides each stage's state over the stage's num_replicas "
-            f"copies; with num_replicas={num_replicas} there is one copy and nothing to "
-            f"divide. Pass num_replicas=2 or more (num_replicas x num_stages devices), or "
-            f"drop shard.")
-    name = schedule.name if isinstance(schedule, schedule_lib.Schedule) else schedule
-    if name == "2bw":
-        raise ValueError(
-            f"schedule='2bw' keeps an older copy of every weight next to each replica's "
-            f"copy, which shard={shard!r} does not divide. Use schedule='1f1b' (the same "
-            f"order and bubble) with shard, or schedule='2bw' without shard.")
-    if shard == "parameters" and balance_by == "time":
-        raise ValueError(
-            "shard='parameters' makes each variable on its owner's stage device when the "
-            "model is placed; balance_by='time' times layers before that, on another "
-            "device. Use balance_by='params' or tfpar.layers.StageBoundary markers.")
-
-
-def _check_tensor_parallel(tensor_parallel, layout_map, num_devices, num_replicas, workers,
-                           **others):
-    """Refuses tensor parallelism that is not asked for clearly, or that is combined with
-    what it does not run with yet."""
-    if (not isinstance(tensor_parallel, int) or isinstance(tensor_parallel, bool)
-            or tensor_parallel < 1):
-        raise ValueError(f"tensor_parallel must be an integer >= 1 (the devices each stage is "
-                         f"split over). Received: tensor_parallel={tensor_parallel!r}")
-    if tensor_parallel == 1:
-        if layout_map is not None:
-            mesh = getattr(layout_map, "device_mesh", None)
-            sizes = dict(zip(mesh.axis_names, mesh.shape)) if mesh is not None else {}
-            size = sizes.get("model", "T (e.g. 2)")
-            raise ValueError(
-                f"layout_map says how each stage's layers are split over its "
-                f"tensor_parallel devices, but tensor_parallel=1 (one device per stage). "
-                f"Pass tensor_parallel={size}, or drop layout_map.")
-        return
-    if layout_map is None:
-        raise ValueError(
-            f"tensor_parallel={tensor_parallel} needs a layout_map saying which layers to "
-            f"split, e.g. layout_map['.*mlp_in/kernel'] = (None, 'model') (column) and "
-            f"layout_map['.*mlp_out/kernel'] = ('model', None) (row).")
-    if num_devices % tensor_parallel:
-        raise DeviceError(
-            f"{num_devices} devices do not make stages of tensor_parallel={tensor_parallel} "
-            f"devices: pass num_replicas x num_stages x tensor_parallel devices.")
-    unsupported = {
-        "balance_by": (others["balance_by"] != "params", "balance_by='time'"),
-        "schedule": ((others["schedule"].name if isinstance(others["schedule"],
-                                                            schedule_lib.Schedule)
-                      else others["schedule"]) == "2bw",
-                     "schedule='2bw' (its older copy of the weights is not split)"),
-    }
-    for name, (given, what) in unsupported.items():
-        if given:
-            raise ValueError(
-                f"tensor_parallel={tensor_parallel} does not run with {what} yet ({name}="
-                f"{others[name]!r}): "
-                f"drop {name}, or tensor_parallel.")
-
-
-def _check_offload(offload, remat):
-    if offload is False or offload is None:
-        return
-    if not (offload is True or isinstance(offload, str)):
-        raise ValueError(f"offload_activations must be True, False or a device name such as "
-                         f"'/job:chief/replica:0/task:0/device:CPU:0'. Received: "
-                         f"offload_activations={offload!r}")
-    if not remat:
-        raise ValueError(
-            "offload_activations needs remat=True: it moves what remat keeps (each stage's "
-            "input per micro-batch) to host memory. Without remat a stage keeps every "
-            "intermediate activation inside TensorFlow's gradient graph, which cannot be "
-            "moved. Pass remat=True, offload_activations=... .")
-
-
-@dataclasses.dataclass(frozen=True)
-class StageReduction:
-    """How one stage's gradients are all-reduced across its copies in the R replicas."""
-
-    devices: tuple  # The stage's device in each replica, canonical.
-    communication: str  # "nccl" when they are all GPUs (see select_communication).
-    ops: object  # The tf.distribute.CrossDeviceOps doing it.
-
-
-def stage_reductions(grid, collective_keys):
-    """One `StageReduction` per stage of `grid[replica][stage]` devices."""
-    reductions = []
-    for s in range(len(grid[0])):
-        devices = tuple(canonical_device(row[s]) for row in grid)
-        # A stage's copies on several processes: peer collectives (ring, or NCCL's on GPUs).
-        communication = select_communication(
-            "auto", [devices_lib.device_type(d) for d in devices],
-            multi_worker=devices_lib.spans_tasks(devices),
-            physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
-        reductions.append(StageReduction(devices, communication, make_cross_device_ops(
-            communication, devices, collective_keys)))
-    return reductions
-
-
-@internals.overrides
-class _PipelineExtended(tf_runtime.mirrored_extended()):
-    """A mirrored strategy over the replicas' first devices, with one reduction per stage.
-
-    Variables are mirrored over the replicas; placement moves each copy to its
-    stage's device. A gradient's copies then live on one stage's R devices, and
-    are reduced by that stage's cross-device ops.
-    """
-
-    def __init__(self, container_strategy, grid, reduction_grid=None, replica_devices=None):
-        self._grid = grid
-        self._reduction_grid = reduction_grid or grid
-        self._own_replica_devices = replica_devices is not None
-        super().__init__(container_strategy,
-                         devices=replica_devices or [row[0] for row in grid])
-
-    def _initialize_strategy(self, devices):
-        super()._initialize_strategy(devices)
-        reductions = stage_reductions(self._grid, tf_runtime.collective_keys(self))
-        self.stage_communication = {s: r.communication for s, r in enumerate(reductions)}
-        self._stage_ops = {r.devices: r.ops for r in reductions}
-        if self._reduction_grid is not self._grid:  # Tensor parallelism: one per device.
-            self._stage_ops.update({r.devices: r.ops for r in stage_reductions(
-                self._reduction_grid, tf_runtime.collective_keys(self))})
-        # Stage 0's devices are the replicas', or the replicas are this process's CPUs (an
-        # add on one of them: TensorFlow's default, collectives, do not run there once
-        # this process has joined a cluster).
-        tf_runtime.set_cross_device_ops(self, tf.distribute.ReductionToOneDevice()
-                                        if self._own_replica_devices else reductions[0].ops)
-
-    def _get_cross_device_ops(self, value):
-        ops = super()._get_cross_device_ops(value)
-        if (ops is not tf_runtime.cross_device_ops(self)
-                or not isinstance(value, tf.distribute.DistributedValues)):
-            return ops  # XLA or int32: TensorFlow's own choice.
-        devices = tuple(canonical_device(v.device) for v in value.values)
-        return self._stage_ops.get(devices, ops)
-
-    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        # Gradients of different stages live on different devices: reduce each
-        # stage's group with that stage's ops.
-        groups = {}
-        for i, (value, _) in enumerate(value_destination_pairs):
-            ops = self._get_cross_device_ops(value)
-            groups.setdefault(id(ops), (ops, []))[1].append(i)
-        results = [None] * len(value_destination_pairs)
-        for ops, indices in groups.values():
-            reduced = ops.batch_reduce(
-                reduce_op, [value_destination_pairs[i] for i in indices],
-                options=tf_runtime.communication_options(self).merge(options))
-            for i, value in zip(indices, reduced):
-                results[i] = value
-        return results
-
-    def _validate_colocate_with_variable(self, colocate_with_variable):
-        # A stage-3 variable lives on one device, as no stock MirroredStrategy variable does.
-        if not sharded.colocates_with_owned(tf_runtime.container_strategy(self), colocate_with_variable):
-            super()._validate_colocate_with_variable(colocate_with_variable)
-
-    def _create_variable(self, next_creator, **kwargs):
-        colocate_with = kwargs.get("colocate_with")
-        home = variable_birth.current_variable_home()  # Where tfpar says it is born.
-        if (home is None and colocate_with is None and kwargs.get("trainable", True)
-                and tf_runtime.container_strategy(self)._tfpar_shard_stage == 3):
-            home = tf_runtime.container_strategy(self)._default_home  # (A variable of no layer.)
-        copies = None
-        if colocate_with is None and home is not None:
-            # MirroredExtended makes one copy per device of what it colocates with.
-            copies = tuple(map(canonical_device, home * len(self._grid) if len(home) == 1
-                               else home))
-        # Under shard=...: optimizer state on its variable's owner among the stage's
-        # devices; under shard="parameters", a trainable variable on its owner only.
-        owned = sharded.on_owner(tf_runtime.container_strategy(self), next_creator, kwargs,
-                                 copies, 0)
-        if owned is not None:
-            return owned
-        if copies is not None:
-            kwargs["colocate_with"] = tf_variables.colocate_with_devices(copies)
-        variable = super()._create_variable(next_creator, **kwargs)
-        if copies is not None:
-            tf_variables.check_copies_on(mirrored_placement.devices_of(variable), copies)
-        distributed_variable = tf_variables.distributed_variable_class()
-        if isinstance(colocate_with, distributed_variable) and isinstance(
-                variable, distributed_variable):
-            # Optimizer state: when placement later moves `colocate_with`, it follows.
-            variable._tfpar_colocated_with = colocate_with
-        return variable
-
-    def follow_colocated(self, optimizer):
-        """Moves optimizer state created next to a variable that has since moved."""
-        for variable in getattr(optimizer, "variables", ()):
-            distributed = mirrored_placement.distributed_value(variable)
-            target = getattr(distributed, "_tfpar_colocated_with", None)
-            if target is not None and (mirrored_placement.devices_of(target)
-                                       != mirrored_placement.devices_of(variable)):
-                mirrored_placement.move_copies(variable, mirrored_placement.devices_of(target))
