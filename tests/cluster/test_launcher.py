@@ -582,6 +582,30 @@ def test_tasks_keep_allocator_statistics_on_any_cpu_unless_the_environment_says(
                     ["[worker:0] stats Allocator stats not available for device 'CPU:0'"])
 
 
+def test_the_tasks_on_a_host_share_its_cores_unless_the_environment_says_otherwise(tmp_path):
+    """TensorFlow gives each process an op thread per core: N tasks on one host ran N x
+    cores threads per op. The launcher gives each task cores / tasks (at least 1), as
+    torchrun sets OMP_NUM_THREADS=1; one that is set is kept."""
+    from tfpar.cluster.launcher import INTRA_OP_THREADS_ENV, host_cores
+
+    code = f"import os; print('threads', os.environ.get({INTRA_OP_THREADS_ENV!r}))"
+    base = {k: v for k, v in os.environ.items() if k != INTRA_OP_THREADS_ENV}
+    exit_code, lines, _ = _launch(tmp_path, code, workers=3, env=base)
+    assert exit_code == 0, lines
+    want = max(1, host_cores() // 3)
+    assert sorted(line for line in lines if "threads" in line) == [
+        f"[worker:{i}] threads {want}" for i in range(3)], lines
+    exit_code, lines, _ = _launch(tmp_path, code, workers=2,
+                                  env=dict(base, **{INTRA_OP_THREADS_ENV: "7"}))
+    assert exit_code == 0 and sorted(line for line in lines if "threads" in line) == [
+        "[worker:0] threads 7", "[worker:1] threads 7"], lines
+    from tfpar.cluster.launcher import task_environment
+
+    assert INTRA_OP_THREADS_ENV not in task_environment(base, tasks=1)
+    assert task_environment(base, tasks=16, cores=8)[INTRA_OP_THREADS_ENV] == "1"
+    assert task_environment(base, tasks=4, cores=64)[INTRA_OP_THREADS_ENV] == "16"
+
+
 def test_docstrings():
     import doctest
 

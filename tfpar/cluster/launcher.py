@@ -54,18 +54,41 @@ REUSE_PORT_ENV = {"TF_GRPC_REUSE_PORT": "1"}
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 
-def task_environment(base=None):
-    """The environment a task starts with: `base` (default: this process's), with
-    `MALLOC_ENV` and TensorFlow's allocator statistics on any CPU
-    (`memory_probe.allocator_statistics_env`) unless `base` says otherwise, and
-    `REUSE_PORT_ENV`.
+# Unless the environment says otherwise, the tasks on one host share its cores: each op
+# runs on at most (cores / tasks) threads, as torchrun sets OMP_NUM_THREADS=1 for several
+# processes per node. TensorFlow's default is every core for each process: N tasks on C
+# cores ran N x C threads per op. Measured (BUILD_NOTES, "Suite times"): 2 training
+# processes beside a third on 2 cores, 1 thread each: 51 -> 82 steps/s (oneDNN off), 51
+# -> 58 (on).
+INTRA_OP_THREADS_ENV = "TF_NUM_INTRAOP_THREADS"
 
-    >>> env = task_environment({"MALLOC_ARENA_MAX": "8", "TF_CPU_ALLOCATOR_USE_BFC": "false"})
+
+def host_cores():
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (Not Linux.)
+        return os.cpu_count() or 1
+
+
+def task_environment(base=None, tasks=1, cores=None):
+    """The environment each of `tasks` tasks on this host starts with: `base` (default:
+    this process's), with `MALLOC_ENV`, TensorFlow's allocator statistics on any CPU
+    (`memory_probe.allocator_statistics_env`) and, for several tasks, an op's threads
+    (`INTRA_OP_THREADS_ENV`: `cores` / `tasks`, at least 1) unless `base` says otherwise,
+    and `REUSE_PORT_ENV`.
+
+    >>> env = task_environment({"MALLOC_ARENA_MAX": "8", "TF_CPU_ALLOCATOR_USE_BFC": "false"},
+    ...                        tasks=3, cores=8)
     >>> env["MALLOC_ARENA_MAX"], env["TF_CPU_ALLOCATOR_USE_BFC"], env["TF_GRPC_REUSE_PORT"]
     ('8', 'false', '1')
+    >>> env["TF_NUM_INTRAOP_THREADS"]
+    '2'
     """
     base = dict(os.environ if base is None else base)
     env = dict(MALLOC_ENV, **memory_probe.allocator_statistics_env(base))
+    if tasks > 1:
+        env[INTRA_OP_THREADS_ENV] = str(max(1, (cores or host_cores()) // tasks))
     env.update(base)
     env.update(REUSE_PORT_ENV)
     return env
@@ -303,7 +326,7 @@ class Launcher:
         self.report_seconds = report_seconds
         self.server_command = list(server_command)
         self.max_restarts = max_restarts
-        self.env = task_environment(env)
+        self.env = task_environment(env, tasks=size)
         # Task name -> its CUDA_VISIBLE_DEVICES ({}: left as the launcher's).
         self.gpus = gpu_assignment.assign(
             [f"{job}:{i}" for job, addresses in self.cluster.items()
