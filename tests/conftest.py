@@ -3,13 +3,6 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# One thread per op in every TensorFlow process of the suite (the pytest processes and, by
-# inheritance, the clusters' processes): two pytest processes and their clusters share 2
-# cores, so an op's second thread only waits and wakes. Measured (BUILD_NOTES, "Suite
-# times"): 20 conformance cells beside 2 training processes, oneDNN off, 108 -> 76 s and the
-# trainers 51 -> 82 steps/s; oneDNN on, 121 -> 110 s and 51 -> 58 steps/s. Set it to test
-# with TensorFlow's default.
-os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
