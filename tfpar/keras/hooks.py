@@ -119,7 +119,8 @@ def replace_attribute(owner, name, value, private=True):
 def remove_patches():
     """Puts back everything tfpar replaced in Keras and TensorFlow (the wraps its strategies
     and `use_keras_distribution` installed, and what it set on single objects still alive),
-    newest first: stock behaviour again. Returns how many replacements were undone. A strategy made afterwards installs its wraps again."""
+    newest first: stock behaviour again. Returns how many replacements were undone. A
+    strategy made afterwards installs its wraps again."""
     with _lock:
         undone = len(_applied) + len(_object_patches)
         while _object_patches:

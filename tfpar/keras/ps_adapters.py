@@ -31,6 +31,7 @@ from tfpar.keras import ps_state
 from tfpar.keras import replicas
 from tfpar.keras import steps
 
+
 def patches():
     """What tfpar replaces in Keras for parameter servers: (owner, attribute, wrap).
 
