@@ -45,7 +45,12 @@ def parse_args():
     parser.add_argument("--compressions", default="",
                         help="comma-separated tfpar gradient compressions to run as well "
                              "(fp16, bf16), each as one more 2-worker configuration")
+    parser.add_argument("--sync_everys", default="",
+                        help="comma-separated tfpar sync_every values (periodic averaging) to "
+                             "run as well, each as one more 2-worker configuration; its steps "
+                             "are timed over a multiple of n")
     parser.add_argument("--compression", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sync_every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["tfpar", "stock"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -70,7 +75,8 @@ def worker(args):
     else:
         strategy = tfpar.DataParallelStrategy(devices=None if config else ["/cpu:0"],
                                               bytes_per_pack=args.bytes_per_pack if config else None,
-                                              shard=args.shard, compression=args.compression)
+                                              shard=args.shard, compression=args.compression,
+                                              sync_every=args.sync_every)
     global_batch = args.per_worker_batch * strategy.num_replicas_in_sync
     with strategy.scope():
         optimizer = keras.optimizers.Adam(1e-4) if args.optimizer == "adam" else None
@@ -86,18 +92,21 @@ def worker(args):
     def step():
         return strategy.reduce("SUM", strategy.run(replica_step, args=next(iterator)), None)
 
-    for _ in range(3):
+    # Under sync_every=n, n x k steps from a multiple of n: k averagings timed.
+    n = args.sync_every
+    timed = -(-args.steps // n) * n
+    for _ in range(3 if n == 1 else n):
         float(step())
     start = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(timed):
         float(step())
-    seconds = (time.perf_counter() - start) / args.steps
+    seconds = (time.perf_counter() - start) / timed
     if index == 0:
         with open(args.result, "w") as f:
             json.dump({"step_seconds": seconds, "replicas": strategy.num_replicas_in_sync}, f)
 
 
-def run_config(args, kind, workers, compression=None):
+def run_config(args, kind, workers, compression=None, sync_every=1):
     """Launches one configuration; returns (seconds per step, replicas)."""
     from tfpar.cluster.launcher import Launcher
 
@@ -110,7 +119,8 @@ def run_config(args, kind, workers, compression=None):
                    f"--optimizer={args.optimizer}",
                    ] + ([f"--bytes_per_pack={args.bytes_per_pack}"] if args.bytes_per_pack is not None else []
                         ) + ([f"--shard={args.shard}"] if args.shard else []
-                        ) + ([f"--compression={compression}"] if compression else [])
+                        ) + ([f"--compression={compression}"] if compression else []
+                        ) + [f"--sync_every={sync_every}"]
         if workers == 1:
             code = subprocess.run(command, timeout=600).returncode
         else:
@@ -137,14 +147,17 @@ def main():
     args = parse_args()
     if args.worker:
         return worker(args)
-    configs = {"1 worker tfpar": ("tfpar", 1, None), "2 workers tfpar": ("tfpar", 2, None),
-               "2 workers stock": ("stock", 2, None)}
+    configs = {"1 worker tfpar": ("tfpar", 1, None, 1),
+               "2 workers tfpar": ("tfpar", 2, None, 1),
+               "2 workers stock": ("stock", 2, None, 1)}
     for compression in filter(None, args.compressions.split(",")):
-        configs[f"2 workers tfpar {compression}"] = ("tfpar", 2, compression)
+        configs[f"2 workers tfpar {compression}"] = ("tfpar", 2, compression, 1)
+    for n in filter(None, args.sync_everys.split(",")):
+        configs[f"2 workers tfpar sync_every={int(n)}"] = ("tfpar", 2, None, int(n))
     times = {name: [] for name in configs}
     for _ in range(args.rounds):
-        for name, (kind, workers, compression) in configs.items():
-            seconds, replicas = run_config(args, kind, workers, compression)
+        for name, (kind, workers, compression, sync_every) in configs.items():
+            seconds, replicas = run_config(args, kind, workers, compression, sync_every)
             assert replicas == workers
             times[name].append(seconds)
     step = {name: statistics.median(t) for name, t in times.items()}

@@ -76,6 +76,15 @@ class StrategyHooks:
     # "fp16", "bf16" or None: the type the replicas' gradients are summed in
     # (`tfpar.keras.compression`).
     _tfpar_compression = None
+    # Optimizer steps between averagings of the replicas' weights (periodic averaging,
+    # `tfpar.distribute.data_parallel.local_sgd`): 1 sums the gradients every step; n > 1
+    # lets each replica step on its own gradients, averaging every n steps and after fit.
+    _tfpar_sync_every = 1
+    # Whether those averagings take the optimizer's float state too.
+    _tfpar_sync_optimizer_state = False
+    # (variables) -> None, in cross-replica context: each variable's copies on the
+    # replicas set to their mean.
+    _tfpar_average_replicas = None
     # () -> who writes which variable of a sharded save, or None (`tfpar.keras.owner_saving`;
     # `tfpar.distribute.zero.owner_checkpoint.OwnerCheckpoint`).
     _tfpar_owner_checkpoint = None

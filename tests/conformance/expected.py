@@ -150,6 +150,21 @@ BF16_GRADIENTS = ("within:0.02:each replica's gradient is rounded to bfloat16 (8
                   "bits) before the sum, as PyTorch's bf16_compress_hook does (docs: "
                   "data parallelism, compression); checked exactly against an emulation of that rounding in "
                   "tests/distribute/data_parallel/test_compression.py")
+# Periodic averaging (`sync_every=2`: each replica steps on its own part, the weights
+# averaged every 2 steps and after fit): the rows whose replica steps differ (a mean loss
+# over two epochs, sample weights, clipping of each replica's own gradient, AdamW with its
+# state per replica, weight decay and a schedule, a padding mask, a custom loop, an overflow
+# on one replica), each compared with a one-device emulation of the same rule
+# (semantics.local_sgd_emulation); gradient accumulation is refused.
+LOCAL_SGD_FEATURES = ["loss_sum_over_batch_size", "sample_weight",
+                      "clip_global_norm_one_replica", "adamw_recipe", "masked_dense_mean",
+                      "custom_loop", "overflow_one_replica", "gradient_accumulation"]
+LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x its part of "
+               "the loss: its own examples' mean), clipping and decaying its own gradient, "
+               "with its own optimizer state; a loss-scale overflow on one replica skips the "
+               "step on all; every sync_every optimizer steps and when fit returns the "
+               "replicas' weights are set to their mean (PyTorch's post-local SGD); the "
+               "history is the mean over replicas")
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -262,6 +277,10 @@ def _expected():
     cells["opt_ScheduleFreeAdamW", "zero3"] = "error:ValueError:far from one device's weights"
     for f in COMPRESSION_FEATURES:
         cells[f, "dp2_bf16"] = BF16_GRADIENTS
+    for f in LOCAL_SGD_FEATURES:
+        cells[f, "dp2_local"] = LOCAL_STEPS
+    cells["gradient_accumulation", "dp2_local"] = (
+        "error:ValueError:gradient_accumulation_steps=2 is not supported with sync_every=2")
     return {cell: target for cell, target in cells.items()
             if cell[0] in harness.FEATURES}
 
@@ -302,7 +321,7 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "pipe_zero1": "1F1B R2 K2 M2 ZeRO-1", "pipe_zero2": "1F1B R2 K2 M2 ZeRO-2",
            "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
            harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2",
-           "dp2_bf16": "DP 2 bf16 gradients"}
+           "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2"}
 
 
 def render_table():

@@ -8,6 +8,8 @@ compares the strategy's run with it, so a documented cell still checks exact num
   update.
 - Dropout masks drawn per replica or per micro-batch: `ChunkDropout`.
 - PipeDream-2BW's delayed updates (schedule "2bw"): `DelayedUpdates`, a callback.
+- Periodic averaging (`sync_every`, column "dp2_local"): `local_sgd_emulation`, N models
+  each trained on its replica's part of every batch, their weights averaged every n steps.
 """
 
 import dataclasses
@@ -155,11 +157,113 @@ class DelayedUpdates(keras.callbacks.Callback):
         self._saved_at = int(self.model.optimizer.iterations.numpy())
 
 
+def _metric_counts(model):
+    """{name: count} of `model`'s compiled mean metrics (what they counted since reset)."""
+    found = {}
+    for metric in model.metrics:
+        for inner in [metric] + list(getattr(metric, "metrics", [])):
+            if inner.name != "loss" and hasattr(inner, "count"):
+                found[inner.name] = float(inner.count.numpy())
+    return found
+
+
+def _skipped_on_all(copies, before):
+    """A step a LossScaleOptimizer skipped on one copy (its scale fell) is skipped on all:
+    the others take back their weights and state from `before` (per copy: the weights, the
+    optimizer's variables, then the scale) and the skipping copy's loss-scale state (the
+    replicas decide together, as one device skips a batch part of which overflowed)."""
+    if not isinstance(copies[0].optimizer, keras.optimizers.LossScaleOptimizer):
+        return
+    fell = [float(c.optimizer.dynamic_scale.numpy()) < before[i][-1]
+            for i, c in enumerate(copies)]
+    if not any(fell):
+        return
+    skipper = copies[fell.index(True)].optimizer
+    for i, c in enumerate(copies):
+        if fell[i]:
+            continue
+        for variable, value in zip(c.weights + c.optimizer.variables, before[i]):
+            variable.assign(value)
+        for mine, theirs in ((c.optimizer.dynamic_scale, skipper.dynamic_scale),
+                             (c.optimizer.step_counter, skipper.step_counter)):
+            mine.assign(theirs)
+
+
+def local_sgd_emulation(feature, replicas, every):
+    """`feature` trained as `sync_every=every` trains it on `replicas` replicas, on one
+    device: `replicas` copies of the model (the same initial weights, each its own optimizer)
+    each take replica r's part of every global batch (rows r x B/N to (r + 1) x B/N) with
+    `train_on_batch`; after every `every` steps, and at the end, each copy's trainable
+    weights are set to the copies' mean. A masked loss's part is N x that part's share of
+    the global batch's unmasked steps (weighted so); a loss-scale overflow on one copy
+    skips the step on all (`_skipped_on_all`). History: per epoch, the mean of the
+    copies' batch logs (metrics weighted by what they counted: the unmasked steps)."""
+
+    def loop(model, strategy, feature, data):
+        copies = [model]
+        for _ in range(replicas - 1):
+            copy = feature.build()
+            copy.compile(**feature.compile())
+            copy.set_weights(model.get_weights())
+            copies.append(copy)
+        for c in copies:  # (Built now, so that a step's state can be put back.)
+            c.optimizer.build(c.trainable_variables)
+        weights = data.sample_weight if data.fit_sample_weight is None \
+            else data.fit_sample_weight
+        batch, count = feature.batch_size, len(data.y)
+        part = batch // replicas
+        masked = feature.name.startswith("masked_")
+        assert batch % replicas == 0 and count % batch == 0, "equal parts only"
+
+        def average():
+            means = [np.mean([c.trainable_weights[i].numpy() for c in copies], axis=0)
+                     for i in range(len(model.trainable_weights))]
+            for c in copies:
+                for variable, mean in zip(c.trainable_weights, means):
+                    variable.assign(mean)
+
+        history, steps = {}, 0
+        for _ in range(feature.epochs):
+            logs, counts = [], []
+            for start in range(0, count, batch):
+                before = [[v.numpy() for v in c.weights + c.optimizer.variables]
+                          + [float(getattr(c.optimizer, "dynamic_scale", np.nan))]
+                          for c in copies]
+                for r, c in enumerate(copies):
+                    rows = slice(start + r * part, start + (r + 1) * part)
+                    weight = None if weights is None else weights[rows]
+                    if masked:  # N x its part of the global masked mean: N x count / total.
+                        tokens = np.count_nonzero(data.x[start:start + batch])
+                        factor = replicas * np.count_nonzero(data.x[rows]) / tokens
+                        weight = np.full(data.y[rows].shape, factor, "float32")
+                    c.reset_metrics()  # (Keras before 3.11 does not in train_on_batch.)
+                    logs.append(c.train_on_batch(data.x[rows], data.y[rows],
+                                                 sample_weight=weight, return_dict=True))
+                    # What each metric counted, to weight it. (`metrics=` take no sample
+                    # weights: the factor above is the loss's alone.)
+                    counts.append(_metric_counts(c))
+                _skipped_on_all(copies, before)
+                steps += 1
+                if steps % every == 0:
+                    average()
+            for key in logs[0]:
+                # (A metric's mean over what its copies counted; the loss's over batches.)
+                shares = [c.get(key, 1.0) if key != "loss" else 1.0 for c in counts]
+                history.setdefault(key, []).append(
+                    np.average([log[key] for log in logs], weights=shares))
+        average()
+        return history
+
+    return dataclasses.replace(feature, loop=loop)
+
+
 def emulated(feature, sid):
     """The one-device run of the emulation of documented cell (feature, sid), and the parts of
     a Result it compares."""
     if sid == "2bw":
         return _delayed(feature), ("weights", "history", "evaluate", "predict")
+    if sid == "dp2_local":
+        return _local_sgd(feature), ("weights", "history", "evaluate", "predict")
     parts = EMULATIONS[feature][1]
     return _emulated(feature, harness.REPLICAS[sid], harness.MICRO_BATCHES[sid]), parts
 
@@ -170,6 +274,12 @@ def _delayed(feature):
     callbacks = {"callbacks": [DelayedUpdates()]}
     return harness.run(None, dataclasses.replace(spec, fit_kwargs={**spec.fit_kwargs,
                                                                    **callbacks}))
+
+
+@functools.lru_cache(maxsize=None)
+def _local_sgd(feature):
+    spec = harness.FEATURES[feature]
+    return harness.run(None, local_sgd_emulation(spec, harness.REPLICAS["dp2_local"], 2))
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,14 +17,15 @@ import multi_worker_common as common  # noqa: E402
 
 
 def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=common.EXAMPLES,
-         optimizer="sgd", own_dirs=False, compression=None):
+         optimizer="sgd", own_dirs=False, compression=None, sync_every=1):
     import keras
     import tensorflow as tf
 
     import tfpar
 
     keras.config.disable_traceback_filtering()
-    strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout, compression=compression)
+    strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout, compression=compression,
+                                          sync_every=sync_every)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}-{task['index']}"
     print(f"PID {os.getpid()}", flush=True)
@@ -59,4 +60,4 @@ if __name__ == "__main__":
          int(args["crash_at"]) if "crash_at" in args else None,
          float(args["timeout"]) if "timeout" in args else None,
          int(args.get("examples", common.EXAMPLES)), args.get("optimizer", "sgd"),
-         args.get("own_dirs") == "1", args.get("compression"))
+         args.get("own_dirs") == "1", args.get("compression"), int(args.get("sync_every", 1)))

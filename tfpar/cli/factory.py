@@ -33,7 +33,7 @@ def from_advice(advice):
 
 
 def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=None,
-                  ps_mode="async", pipeline=None, shard=None, compression=None):
+                  ps_mode="async", pipeline=None, shard=None, compression=None, sync_every=1):
     """Builds the tfpar strategy called `name` over the first `num_devices` devices.
 
     "ps" is parameter-server training on the TF_CONFIG cluster (`ps_mode` "async" or
@@ -44,8 +44,8 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     (`num_devices` does not apply); `pipeline` is a dict of its keyword arguments
     (num_micro_batches, schedule, remat, num_replicas, num_stages, virtual_stages, shard,
     tensor_parallel, layout_map).
-    `shard`, `compression`: for "data", `DataParallelStrategy`'s (ZeRO's stage, the gradients'
-    wire type); refused for the others.
+    `shard`, `compression`, `sync_every`: for "data", `DataParallelStrategy`'s (ZeRO's stage,
+    the gradients' wire type, the steps between averagings); refused for the others.
     "auto" is resolved by the caller (`from_advice`), not here.
 
     In a TF_CONFIG cluster of several workers each worker uses all its local devices
@@ -58,6 +58,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
     if compression and name != "data":
         raise ValueError(f"compression={compression!r} is for the data strategy; "
                          f"strategy {name!r} sums its gradients in full precision.")
+    if sync_every != 1 and name != "data":
+        raise ValueError(f"sync_every={sync_every!r} is for the data strategy; strategy "
+                         f"{name!r} sums its gradients every step.")
     if name == "auto":
         raise ValueError("make_strategy('auto'): resolve the advice first with "
                          "from_advice(tfpar.plan.advise(...)), then build that name.")
@@ -86,9 +89,9 @@ def make_strategy(name, num_devices=None, communication="auto", timeout_seconds=
 
     if cluster_worker_count() > 1:  # TF_CONFIG names several workers
         return DataParallelStrategy(communication=communication, timeout_seconds=timeout_seconds,
-                                    shard=shard, compression=compression)
+                                    shard=shard, compression=compression, sync_every=sync_every)
     return DataParallelStrategy(devices=_local_devices(num_devices), communication=communication,
-                                shard=shard, compression=compression)
+                                shard=shard, compression=compression, sync_every=sync_every)
 
 
 def _local_devices(num_devices):

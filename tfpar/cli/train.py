@@ -35,6 +35,9 @@ flags.DEFINE_integer("num_devices", 2, "Devices to use; on a host with no GPU, l
 flags.DEFINE_string("communication", "auto", "All-reduce for --strategy=data.")
 flags.DEFINE_enum("compression", "none", ("none", "fp16", "bf16"),
                   "For --strategy=data: the type gradients are summed in on the wire.")
+flags.DEFINE_integer("sync_every", 1, "For --strategy=data: periodic averaging, each replica "
+                     "steps alone and the weights are averaged every this many steps (1: "
+                     "gradients summed every step).", lower_bound=1)
 flags.DEFINE_string("dataset", "spirals", "'spirals' (built in) or a tfds name prepared in --data_dir.")
 flags.DEFINE_string("data_dir", None, "tfds data directory (tfpar never downloads).")
 flags.DEFINE_integer("epochs", 10, "Epochs to train (a resumed run stops at the same total).")
@@ -236,12 +239,13 @@ def what_runs(strategy, devices, gpu_absent, dataset, train_examples, test_examp
 def run(strategy_name="data", num_devices=2, communication="auto", dataset="spirals",
         data_dir=None, epochs=10, batch_size=64, learning_rate=0.01, model_dir=None,
         log_dir=None, seed=0, verbose=1, timeout_seconds=60.0, ps_mode="async", pipeline=None,
-        learning_rate_decay="cosine", bytes_per_device=None, compression=None):
+        learning_rate_decay="cosine", bytes_per_device=None, compression=None, sync_every=1):
     """Trains and evaluates; returns a dict with loss, accuracy and samples_per_second.
 
     `pipeline`: for strategy "pipeline", a dict of `PipelineStrategy` keyword arguments.
     `learning_rate_decay`: "cosine" (to 0 over all the steps of `epochs`) or "none".
-    `compression`: for strategy "data", "fp16" or "bf16" (`DataParallelStrategy(compression=)`).
+    `compression`: for strategy "data", "fp16" or "bf16" (`DataParallelStrategy(compression=)`);
+    `sync_every`: for strategy "data", `DataParallelStrategy(sync_every=)`.
     Strategy "auto": the one `auto_advice` (at `bytes_per_device`) names; its reasoning is
     printed; a `factory.AutoError` when nothing it can build fits.
     """
@@ -267,7 +271,8 @@ def run(strategy_name="data", num_devices=2, communication="auto", dataset="spir
         else:
             shard = chosen["shard"]
     strategy = factory.make_strategy(strategy_name, num_devices, communication, timeout_seconds,
-                                     ps_mode, pipeline, shard=shard, compression=compression)
+                                     ps_mode, pipeline, shard=shard, compression=compression,
+                                     sync_every=sync_every)
     import keras
 
     from tfpar.plan.batching import per_replica_batch_size
@@ -354,7 +359,8 @@ def main(argv):
                      FLAGS.model_dir, FLAGS.log_dir, FLAGS.seed, FLAGS.verbose,
                      FLAGS.timeout_seconds, FLAGS.ps_mode, _pipeline_flags(),
                      FLAGS.learning_rate_decay, FLAGS.bytes_per_device,
-                     None if FLAGS.compression == "none" else FLAGS.compression)
+                     None if FLAGS.compression == "none" else FLAGS.compression,
+                     FLAGS.sync_every)
     except factory.AutoError as error:
         print(f"tfpar.cli.train: {error}", file=sys.stderr, flush=True)
         return 2

@@ -246,6 +246,7 @@ WRAPS = {
     ("BatchNormalization", "_moments"): "ps training: a sync part's batch moments",
     ("LossScaleOptimizer", "apply"): "ps training: one worker at a time updates the scale",
     **{(_TRAINER, name): "fit/evaluate/predict: ps loops, cluster errors explained, meshes"
+       + (", replicas averaged after fit (sync_every)" if name == "fit" else "")
        for name in ("fit", "evaluate", "predict")},
     **{(_TRAINER, name): "refused under parameter servers (the chief does not train)"
        for name in ("train_on_batch", "test_on_batch", "predict_on_batch")},

@@ -53,6 +53,7 @@ from tfpar import errors as tfpar_errors
 from tfpar.contract import hooks_of
 from tfpar.keras.replica_context import replica_context
 from tfpar.keras import compression
+from tfpar.keras import local_steps
 from tfpar.keras import gradient_clipping
 from tfpar.keras import look_ahead
 from tfpar.keras import internals
@@ -441,6 +442,9 @@ def _accumulation_outside_cond(keras_apply):
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables):
         context = replica_context("_tfpar_mirrored", min_replicas=1)
+        if local_steps.every(context):
+            return local_steps.apply_alone(self, keras_apply, context, grads,
+                                           trainable_variables)
         hooks = hooks_of(context.strategy if context is not None else None)
         if context is not None and context.num_replicas_in_sync > 1 and (
                 hooks._tfpar_shard_stage or hooks._tfpar_replica_spans_devices):
@@ -817,4 +821,4 @@ def patches():
         (optimizer, "_all_reduce_sum_gradients", _reduced_where_they_are),
         (optimizer, "_overwrite_model_variables_with_average_value",
          _ema_overwritten_per_replica),
-    ] + gradient_clipping.patches() + look_ahead.patches()
+    ] + gradient_clipping.patches() + look_ahead.patches() + local_steps.patches()

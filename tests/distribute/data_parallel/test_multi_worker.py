@@ -1,5 +1,6 @@
 """Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1."""
 
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,8 @@ import tensorflow as tf
 
 import multi_worker_common as common
 from cluster_helper import Cluster, stop_launcher
+
+import tfpar
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +35,11 @@ def cluster():
         c.kill_all()
 
 
-def _single_process_weights(epochs, examples, optimizer="sgd"):
+def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None):
     x, y = common.data(examples)
-    model = common.model()
-    model.compile(common.optimizer(optimizer), common.loss())
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = common.model()
+        model.compile(common.optimizer(optimizer), common.loss())
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH),
               epochs=epochs, verbose=0)
     return model.get_weights()
@@ -43,15 +47,21 @@ def _single_process_weights(epochs, examples, optimizer="sgd"):
 
 # 136 examples end with a partial global batch of 8: it must split, not hang. With
 # compression="fp16" the workers sum float16 gradients across processes: they agree with each
-# other, and with one process to float16's rounding only.
-@pytest.mark.parametrize("examples, compression", [(128, None), (136, None), (128, "fp16")])
-def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples, compression):
+# other, and with one process to float16's rounding only. With sync_every=3 each worker steps
+# alone and the two average their weights every 3 steps (16 steps: also after fit): as two
+# replicas of one process do (whose rule the conformance column "dp2_local" checks).
+@pytest.mark.parametrize("examples, compression, sync_every",
+                         [(128, None, 1), (136, None, 1), (128, "fp16", 1), (128, None, 3)])
+def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples, compression,
+                                            sync_every):
     workers = cluster(2)
-    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}"]
+    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
+                   f"--sync_every={sync_every}"]
                   + ([f"--compression={compression}"] if compression else []))
     assert workers.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], workers.output()[-4000:]
     results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
     options = f", compression={compression!r}" if compression else ""
+    options += f", sync_every={sync_every}" if sync_every > 1 else ""
     for result in results:
         assert result["strategy"] == ("DataParallelStrategy(workers=2, replicas=2, "
                                       f"communication='ring'{options})")
@@ -62,6 +72,11 @@ def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples, compres
     for w0, w1 in zip(*weights):
         np.testing.assert_array_equal(w0, w1)
     want = _single_process_weights(2, examples)
+    if sync_every > 1:
+        summed = want  # Plain data parallelism's: the averaging is another rule.
+        want = _single_process_weights(2, examples, strategy=tfpar.DataParallelStrategy(
+            ["/cpu:0", "/cpu:1"], sync_every=sync_every))
+        assert max(float(np.abs(g - w).max()) for g, w in zip(want, summed)) > 1e-3
     tolerance = 1e-3 if compression else 1e-5
     for got, expected in zip(weights[0], want):
         np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance)

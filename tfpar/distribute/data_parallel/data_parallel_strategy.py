@@ -11,7 +11,7 @@ from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
 from tfpar.distribute.common.cross_device import make_cross_device_ops
-from tfpar.distribute.data_parallel import multi_worker, stock_arguments
+from tfpar.distribute.data_parallel import local_sgd, multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
 from tfpar.distribute.zero import zero_collectives
@@ -87,6 +87,16 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         its float gradients (float16: divided by the number of replicas first, so the
         sum stays in range), the sum is cast back. None: full precision. Not with
         `shard` yet.
+      sync_every: periodic averaging (local SGD): each replica steps on its own
+        gradient (N x its part of the global loss's: with a mean loss, its own
+        examples' mean) with its own optimizer state, and the replicas' weights are
+        averaged every `sync_every` optimizer steps and when `fit` returns: one
+        all-reduce of the weights per n steps in place of one of the gradients per
+        step (PyTorch's post-local SGD). 1 (default): gradients summed every step.
+        Not with `shard`, `compression` or `gradient_accumulation_steps`.
+      sync_optimizer_state: under `sync_every` > 1, average the optimizer's float state
+        (Adam's moments, momentum) with the weights. Default False: each replica keeps
+        its own, as PyTorch's model averager does.
 
     Examples:
       >>> import keras, numpy as np, tfpar
@@ -105,7 +115,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def __new__(cls, devices=None, communication="auto", bytes_per_pack=None,
                 cluster_resolver=None, timeout_seconds=None, shard=None,
                 reshard_after_forward=None, cross_device_ops=None,
-                communication_options=None, compression=None):
+                communication_options=None, compression=None, sync_every=1,
+                sync_optimizer_state=False):
         if cls is DataParallelStrategy:
             cluster_resolver = stock_arguments.positional(
                 devices, communication, cluster_resolver, None, None)[2]
@@ -116,7 +127,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def __init__(self, devices=None, communication="auto", bytes_per_pack=None,
                  cluster_resolver=None, timeout_seconds=None, shard=None,
                  reshard_after_forward=None, cross_device_ops=None,
-                 communication_options=None, compression=None):
+                 communication_options=None, compression=None, sync_every=1,
+                 sync_optimizer_state=False):
         # One construction path for one host and for workers; what differs is in the
         # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
         devices, communication, cluster_resolver, cross_device_ops, communication_options = (
@@ -133,6 +145,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         self.compression = check_compression(compression, shard)
+        self.sync_every = local_sgd.check_sync_every(sync_every, shard, compression)
+        self.sync_optimizer_state = bool(sync_optimizer_state)
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
         self._dp_regathered_models = set()  # ids of the models made to regather.
         if self.reshard_after_forward:
@@ -235,9 +249,35 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         # Read by the Keras seam: the replicas' gradients summed in this type.
         return self.compression
 
+    @property
+    def _tfpar_sync_every(self):
+        # Read by the Keras seam (tfpar.keras.local_steps): replicas step alone between
+        # averagings.
+        return self.sync_every
+
+    @property
+    def _tfpar_sync_optimizer_state(self):
+        return self.sync_optimizer_state
+
+    def _tfpar_average_replicas(self, variables):
+        # Asked by the Keras seam in cross-replica context, every sync_every steps.
+        return local_sgd.average_replicas(self, variables)
+
+    def average_replicas(self, model, optimizer=None):
+        """Under `sync_every=n`, sets every replica's weights (and, with
+        `sync_optimizer_state=True`, `optimizer`'s state; default: the compiled one) to
+        their mean over the replicas now: `fit` does it when it returns; a custom loop calls
+        it after its last step, before saving. Nothing to do when n is 1."""
+        from tfpar.keras import local_steps
+
+        local_steps.average_now(model, optimizer)
+
     def _options_repr(self):
-        return "".join(f", {name}={getattr(self, name)!r}"
-                       for name in ("shard", "compression") if getattr(self, name))
+        options = "".join(f", {name}={getattr(self, name)!r}"
+                          for name in ("shard", "compression") if getattr(self, name))
+        if self.sync_every > 1:
+            options += f", sync_every={self.sync_every}"
+        return options
 
     def __repr__(self):
         return (f"DataParallelStrategy(replicas={self.num_replicas_in_sync}, "
