@@ -6,6 +6,8 @@ thread per op). Configurations alternate round by round in one run:
   1 worker  tfpar    DataParallelStrategy() on one worker
   2 workers tfpar    DataParallelStrategy() across 2 TF_CONFIG workers
   2 workers stock    tf.distribute.MultiWorkerMirroredStrategy, same custom loop
+  2 alone            two 1-worker processes at once, one per core, nothing shared: the
+                     machine's ceiling for 2 workers (what 2 cores computing together give)
 
 Same per-worker batch everywhere, so 2 workers process twice the samples per step.
 
@@ -53,6 +55,7 @@ def parse_args():
     parser.add_argument("--sync_every", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["tfpar", "stock"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.per_worker_batch is None:
         args.per_worker_batch = 64 if args.model == "cnn" else 2048
@@ -63,7 +66,7 @@ def worker(args):
     """One worker process: time a custom training loop, write seconds per step."""
     config = json.loads(os.environ.get("TF_CONFIG", "{}"))
     index = config.get("task", {}).get("index", 0)
-    os.sched_setaffinity(0, {index % os.cpu_count()})
+    os.sched_setaffinity(0, {(index if args.core is None else args.core) % os.cpu_count()})
     import tfpar
 
     tfpar.virtual_cpus(1, one_core_each=True)
@@ -102,7 +105,7 @@ def worker(args):
         float(step())
     seconds = (time.perf_counter() - start) / timed
     if index == 0:
-        with open(args.result, "w") as f:
+        with open(args.result + ("" if args.core is None else f".{args.core}"), "w") as f:
             json.dump({"step_seconds": seconds, "replicas": strategy.num_replicas_in_sync}, f)
 
 
@@ -121,7 +124,16 @@ def run_config(args, kind, workers, compression=None, sync_every=1):
                         ) + ([f"--shard={args.shard}"] if args.shard else []
                         ) + ([f"--compression={compression}"] if compression else []
                         ) + [f"--sync_every={sync_every}"]
-        if workers == 1:
+        if kind == "alone":  # Two one-worker processes at once, each on its own core.
+            runs = [subprocess.Popen(command[:2] + ["--worker=tfpar", f"--core={core}"]
+                                     + command[3:]) for core in range(workers)]
+            codes = [run.wait(timeout=600) for run in runs]
+            code = max(codes)
+            if code == 0:
+                steps = [json.load(open(f"{result}.{core}"))["step_seconds"]
+                         for core in range(workers)]
+                return statistics.mean(steps), workers
+        elif workers == 1:
             code = subprocess.run(command, timeout=600).returncode
         else:
             code = Launcher(command, workers, output=lambda line: None).run()
@@ -149,7 +161,8 @@ def main():
         return worker(args)
     configs = {"1 worker tfpar": ("tfpar", 1, None, 1),
                "2 workers tfpar": ("tfpar", 2, None, 1),
-               "2 workers stock": ("stock", 2, None, 1)}
+               "2 workers stock": ("stock", 2, None, 1),
+               "2 alone": ("alone", 2, None, 1)}
     for compression in filter(None, args.compressions.split(",")):
         configs[f"2 workers tfpar {compression}"] = ("tfpar", 2, compression, 1)
     for n in filter(None, args.sync_everys.split(",")):
@@ -178,6 +191,7 @@ def main():
             throughput[name] / throughput["1 worker tfpar"], 3)
            for name in configs if name.startswith("2 workers tfpar ")},
         "two_stream_ceiling": _ceiling(args),
+        "two_process_ceiling": round(throughput["2 alone"] / throughput["1 worker tfpar"], 3),
         "tfpar_step_time_vs_stock": round(step["2 workers tfpar"] / step["2 workers stock"], 3),
         "all_step_ms": {k: [round(t * 1000, 1) for t in v] for k, v in times.items()},
     }
