@@ -54,7 +54,7 @@ def already_summed():
     return getattr(_local, "summed", False)
 
 
-def summed():
+def as_summed():
     """Meanwhile, in this thread, Keras' sum over replicas returns the gradients as they
     are (`already_summed`): tfpar summed them, or they are a replica's own."""
     return _flag("summed")
@@ -133,7 +133,7 @@ def apply_clipped_once(optimizer, keras_apply, context, grads, trainable_variabl
             list(zip(grads, trainable_variables)))
         grads = [g for g, _ in summed]
     grads = clip(optimizer, grads, clip_groups(strategy, trainable_variables))
-    with deferred(), summed():
+    with deferred(), as_summed():
         return keras_apply(optimizer, grads, trainable_variables)
 
 

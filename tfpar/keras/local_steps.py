@@ -52,7 +52,7 @@ def apply_alone(optimizer, keras_apply, context, grads, trainable_variables):
              else tf.IndexedSlices(g.values * replicas, g.indices, g.dense_shape)
              if isinstance(g, tf.IndexedSlices) else g * tf.cast(replicas, g.dtype)
              for g in grads]
-    with gradient_clipping.summed():  # Keras' sum over replicas leaves them as they are.
+    with gradient_clipping.as_summed():  # Keras' sum over replicas leaves them as they are.
         result = keras_apply(optimizer, grads, trainable_variables)
     variables = averaged_variables(context.strategy, optimizer, trainable_variables)
     average = hooks_of(context.strategy)._tfpar_average_replicas
