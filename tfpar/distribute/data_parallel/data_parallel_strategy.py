@@ -21,6 +21,7 @@ from tfpar.distribute.zero import zero_sharding as sharded
 from tfpar.errors import DeviceError
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
+from tfpar.keras import local_steps
 from tfpar.keras import tf_runtime
 from tfpar.keras import zero_optimizers as keras_sharded
 from tfpar.keras.replicas import xla_refusal
@@ -268,8 +269,6 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         `sync_optimizer_state=True`, `optimizer`'s state; default: the compiled one) to
         their mean over the replicas now: `fit` does it when it returns; a custom loop calls
         it after its last step, before saving. Nothing to do when n is 1."""
-        from tfpar.keras import local_steps
-
         local_steps.average_now(model, optimizer)
 
     def _options_repr(self):
