@@ -17,24 +17,27 @@ from tfpar.contract import hooks_of
 from tfpar.keras import gradient_clipping, internals, models
 
 
+def _steps_between_averagings(strategy):
+    """n when `strategy`'s replicas step alone (sync_every n > 1 over several replicas),
+    else 0."""
+    n = hooks_of(strategy)._tfpar_sync_every
+    return n if n > 1 and strategy.num_replicas_in_sync > 1 else 0
+
+
 def every(context):
-    """The optimizer steps between averagings when `context`'s replicas step alone (n > 1),
-    else 0. `context`: a replica context, or None."""
-    if context is None or context.num_replicas_in_sync < 2:
-        return 0
-    n = hooks_of(context.strategy)._tfpar_sync_every
-    return n if n > 1 else 0
+    """The optimizer steps between averagings when `context`'s replicas step alone, else
+    0. `context`: a replica context, or None."""
+    return 0 if context is None else _steps_between_averagings(context.strategy)
 
 
 def averaged_variables(strategy, optimizer, variables):
     """The `tf.Variable`s an averaging sets: `variables` (the trained weights), and the
-    optimizer's float state when `strategy` averages it too."""
+    optimizer's variables when `strategy` averages its state too (the averaging leaves
+    the integer ones, such as the step count)."""
     chosen = [models.tf_variable(v) for v in variables]
     if optimizer is not None and hooks_of(strategy)._tfpar_sync_optimizer_state:
-        skip = {id(models.tf_variable(optimizer.iterations))}
-        chosen += [models.tf_variable(v) for v in optimizer.variables
-                   if id(models.tf_variable(v)) not in skip]
-    return [v for v in chosen if v.dtype.is_floating]
+        chosen += [models.tf_variable(v) for v in optimizer.variables]
+    return chosen
 
 
 def apply_alone(optimizer, keras_apply, context, grads, trainable_variables):
@@ -73,8 +76,7 @@ def average_now(model, optimizer=None):
     averages it, `optimizer`'s state; default: the compiled one) to their mean, in
     cross-replica context: after `fit`, or at the end of a custom loop."""
     strategy = internals.attr(model, "_distribute_strategy")
-    if strategy is None or hooks_of(strategy)._tfpar_sync_every < 2 \
-            or strategy.num_replicas_in_sync < 2:
+    if strategy is None or not _steps_between_averagings(strategy):
         return
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
     with strategy.scope():
