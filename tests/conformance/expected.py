@@ -165,6 +165,13 @@ LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x 
                "step on all; every sync_every optimizer steps and when fit returns the "
                "replicas' weights are set to their mean (PyTorch's post-local SGD); the "
                "history is the mean over replicas")
+# Halving-doubling over 3 replicas (`communication="halving_doubling"`: gradients, metric
+# states and a custom loop's sums all-reduced in pairs): the rows whose sums differ in kind
+# (a mean and weighted losses, confusion-matrix metric states, a batch that splits unevenly,
+# clipping after the sum, an AdamW recipe, a loss-scale overflow on one replica).
+HALVING_DOUBLING_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "metrics_confusion",
+                             "uneven_global_batch", "clip_global_norm_one_replica",
+                             "adamw_recipe", "overflow_one_replica"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -279,6 +286,8 @@ def _expected():
         cells[f, "dp2_bf16"] = BF16_GRADIENTS
     for f in LOCAL_SGD_FEATURES:
         cells[f, "dp2_local"] = LOCAL_STEPS
+    for f in HALVING_DOUBLING_FEATURES:
+        cells[f, "dp3_hd"] = EQUAL
     cells["gradient_accumulation", "dp2_local"] = (
         "error:ValueError:gradient_accumulation_steps=2 is not supported with sync_every=2")
     return {cell: target for cell, target in cells.items()
@@ -321,7 +330,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "pipe_zero1": "1F1B R2 K2 M2 ZeRO-1", "pipe_zero2": "1F1B R2 K2 M2 ZeRO-2",
            "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
            harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2",
-           "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2"}
+           "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2",
+           "dp3_hd": "DP 3 halving-doubling"}
 
 
 def render_table():

@@ -57,6 +57,9 @@ STRATEGIES = {
     "dp2_bf16": lambda: tfpar.DataParallelStrategy(cpus(2), compression="bf16"),
     # Periodic averaging: each replica steps alone, the weights averaged every 2 steps.
     "dp2_local": lambda: tfpar.DataParallelStrategy(cpus(2), sync_every=2),
+    # Halving-doubling over 3 replicas: the third hands its buffer to the first, the first
+    # two exchange halves, the sum goes back.
+    "dp3_hd": lambda: tfpar.DataParallelStrategy(cpus(3), communication="halving_doubling"),
 }
 # "pipe_zero1/2/3": pipe_r2k2 with ZeRO stage 1, 2 or 3 over each stage's 2 replicas
 # (expected.PIPELINE_ZERO_FEATURES, expected.PIPELINE_ZERO23_FEATURES).
@@ -68,10 +71,11 @@ STRATEGIES = {
 # expected.ZERO2_FEATURES, expected.GPIPE_FEATURES, expected.SPLIT_BACKWARD_FEATURES: stage 3
 # and 1F1B share their code and run on all; expected.TWO_BW_FEATURES; "dp2_bf16", gradients
 # summed in bfloat16: expected.COMPRESSION_FEATURES; "dp2_local", periodic averaging:
-# expected.LOCAL_SGD_FEATURES). (The subsets keep the
+# expected.LOCAL_SGD_FEATURES; "dp3_hd", halving-doubling all-reduces:
+# expected.HALVING_DOUBLING_FEATURES). (The subsets keep the
 # suite's time down: a cell costs 2-14 s, mostly TensorFlow tracing.)
 SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw", "pipe_zero1",
-                  "pipe_zero2", "pipe_zero3", "mp", "zero3", "dp2_bf16", "dp2_local")
+                  "pipe_zero2", "pipe_zero3", "mp", "zero3", "dp2_bf16", "dp2_local", "dp3_hd")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
@@ -111,11 +115,12 @@ STRATEGIES[PIPE_TP] = _pipeline_tensor_parallel
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
             "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1, "pipe_zero1": 2,
-            "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 1, "dp2_bf16": 2, "dp2_local": 2}
+            "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 1, "dp2_bf16": 2, "dp2_local": 2,
+            "dp3_hd": 3}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
                  "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1,
                  "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 2, "dp2_bf16": 1,
-                 "dp2_local": 1}
+                 "dp2_local": 1, "dp3_hd": 1}
 
 
 def _pipeline_zero(shard):

@@ -65,6 +65,10 @@ def _objects():
     averaging.build(functional.trainable_variables)
     with tf.Graph().as_default():
         graph_op = tf.constant(0.0).op
+    collective_ops = internals.symbol(
+        "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
+        devices=["/cpu:0"], group_size=1,
+        options=internals.symbol("tensorflow.python.distribute.collective_util.Options")())
     epoch_iterator = internals.symbol("keras.src.backend.tensorflow.trainer.TFEpochIterator")(
         distribute_strategy=strategy, x=np.zeros((4, 4), "float32"), batch_size=2)
     model_objects = [optimizer, averaging, functional, functional.layers[1], functional._compile_loss, sequential,
@@ -73,7 +77,7 @@ def _objects():
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
                      keras.layers.BatchNormalization(),
                      keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
-                     epoch_iterator,
+                     epoch_iterator, collective_ops,
                      internals.symbol("keras.src.saving.saving_lib"),
                      internals.symbol("keras.src.backend.tensorflow.distribution_lib")]
     return model_objects

@@ -17,7 +17,8 @@ import multi_worker_common as common  # noqa: E402
 
 
 def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=common.EXAMPLES,
-         optimizer="sgd", own_dirs=False, compression=None, sync_every=1):
+         optimizer="sgd", own_dirs=False, compression=None, sync_every=1,
+         communication="auto", global_batch=common.GLOBAL_BATCH):
     import keras
     import tensorflow as tf
 
@@ -25,7 +26,7 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=comm
 
     keras.config.disable_traceback_filtering()
     strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout, compression=compression,
-                                          sync_every=sync_every)
+                                          sync_every=sync_every, communication=communication)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}-{task['index']}"
     print(f"PID {os.getpid()}", flush=True)
@@ -40,7 +41,7 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=comm
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")))
     if crash_at is not None and task["index"] == 1:
         callbacks.append(common.CrashAt(crash_at))
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
     history = model.fit(dataset, epochs=epochs, verbose=2, callbacks=callbacks)
     loss, accuracy = model.evaluate(dataset, verbose=0)
     predictions = model.predict(dataset, verbose=0)
@@ -60,4 +61,5 @@ if __name__ == "__main__":
          int(args["crash_at"]) if "crash_at" in args else None,
          float(args["timeout"]) if "timeout" in args else None,
          int(args.get("examples", common.EXAMPLES)), args.get("optimizer", "sgd"),
-         args.get("own_dirs") == "1", args.get("compression"), int(args.get("sync_every", 1)))
+         args.get("own_dirs") == "1", args.get("compression"), int(args.get("sync_every", 1)),
+         args.get("communication", "auto"), int(args.get("global_batch", common.GLOBAL_BATCH)))

@@ -92,6 +92,8 @@ SYMBOLS = {
     "tensorflow.python.distribute.coordinator.values.serialize_dataset_to_graph":
         "a chief's dataset sent to each worker",
     "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce": "ring all-reduce",
+    "tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher":
+        "subclassed: a replica's dense all-reduces by halving-doubling",
     "tensorflow.python.distribute.values.PerReplica":
         "a tensor-parallel group's partial sums, reduced by collectives across processes",
     "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
@@ -182,7 +184,9 @@ ATTRIBUTES = {
     "_collective_keys": "MirroredExtended",
     "_cross_device_ops": "MirroredExtended",
     "_communication_options": "MirroredExtended",
-    "_devices": "MirroredExtended",
+    "_devices": "MirroredExtended; CollectiveAllReduce (its replicas' devices)",
+    "_launchers": "CollectiveAllReduce (written: launchers whose dense all-reduces go by "
+                  "halving-doubling)",
     "_container_strategy": "tf.distribute.StrategyExtended",
     "_local_results": "tf.distribute.StrategyExtended",
     "_device": "OneDeviceExtended",

@@ -10,6 +10,9 @@ declared with `@internals.overrides`.
 Importing this module imports no TensorFlow (`tfpar.devices` stays light to import).
 """
 
+import functools
+import inspect
+
 from tfpar.keras import internals
 
 # --- The extended classes tfpar's strategies subclass ------------------------------------
@@ -129,6 +132,73 @@ def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
         options=collective_options(bytes_per_pack=bytes_per_pack,
                                    implementation=collective_implementation(implementation)),
         collective_keys=keys)
+
+
+def route_dense_all_reduces(ops, group_size, keys, options, first_rank, route):
+    """Makes TensorFlow's `CollectiveAllReduce` `ops` (this process's replicas of
+    `group_size` in all, made with `keys` and `options`) all-reduce each dense tensor (a
+    pack of gradients, a metric) by `route(tensor, device, rank, timeout_seconds, token)`,
+    `rank` the replica's index in the group (`first_rank` + its index here); where `route`
+    returns None, by TensorFlow's collective. Packing, sparse values, gathers and broadcasts
+    stay TensorFlow's. `route` also gets an ordering token
+    (a resource handle) to pass its collectives: a function orders the collectives that
+    take one token as it runs them; without, it orders all of its stateful ops, and a
+    replica's collective waited for another replica's of the same process, which waited
+    for it."""
+    devices = internals.attr(ops, "_devices")
+    launcher = _routed_launcher()
+    group = keys.get_group_key(devices)  # TensorFlow's for these devices (it made `ops`).
+    internals.set_attr(ops, "_launchers", [
+        launcher(group, group_size, keys, device, options, first_rank + i, route)
+        for i, device in enumerate(devices)])
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_launcher():
+    import tensorflow as tf
+
+    base = internals.symbol(
+        "tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher")
+    for method, wanted in (("__init__", ["self", "group_key", "group_size", "collective_keys",
+                                         "device", "options"]),
+                           ("all_reduce", ["self", "input_tensor", "control_input", "options"])):
+        internals.check(list(inspect.signature(getattr(base, method)).parameters) == wanted,
+                        f"CollectiveReplicaLauncher.{method}({', '.join(wanted[1:])})")
+
+    @internals.overrides
+    class RoutedLauncher(base):
+        """A replica's collectives, its dense all-reduces by tfpar's route."""
+
+        def __init__(self, group_key, group_size, collective_keys, device, options, rank,
+                     route):
+            super().__init__(group_key, group_size, collective_keys, device, options)
+            with tf.init_scope(), tf.device(device):  # (Made as TensorFlow makes its own.)
+                token = internals.symbol(
+                    "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(0.0)
+            self.routed = (route, device, rank, options, token)
+
+        def all_reduce(self, input_tensor, control_input=None, options=None):
+            route, device, rank, defaults, token = self.routed
+            timeout = (defaults.merge(options) if options is not None else defaults
+                       ).timeout_seconds
+            with tf.control_dependencies([] if control_input is None else [control_input]):
+                routed = route(input_tensor, device, rank, timeout, token.handle)
+            if routed is None:  # Not taken: TensorFlow's own collective.
+                return super().all_reduce(input_tensor, control_input, options)
+            return routed
+
+    return RoutedLauncher
+
+
+def outermost_function_graph():
+    """The graph of the outermost function being traced (not a cond branch, loop body or
+    function inside it)."""
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+        graph = graph.outer_graph  # (Only a function's graph has an outer graph.)
+    return graph
 
 
 def per_replica(values):

@@ -24,7 +24,12 @@ NCCL = "nccl"
 RING = "ring"
 REDUCE_TO_ONE = "reduce_to_one"
 HIERARCHICAL = "hierarchical"
-COMMUNICATIONS = (AUTO, NCCL, RING, REDUCE_TO_ONE, HIERARCHICAL)
+# Replicas exchange in pairs: log2(n) steps for small buffers, 2 log2(n) for large ones,
+# where a ring takes 2 (n-1) (`tfpar.plan.halving_doubling`).
+HALVING_DOUBLING = "halving_doubling"
+COMMUNICATIONS = (AUTO, NCCL, RING, REDUCE_TO_ONE, HIERARCHICAL, HALVING_DOUBLING)
+# The ones that pack gradients into `bytes_per_pack` collectives.
+PACKING = (RING, HALVING_DOUBLING)
 
 # The CPU all-reduce "auto" picks on one host. Measured (benchmarks/data_parallel.py,
 # BUILD_NOTES.md): summing on one CPU beats the ring by ~5-8% in step time, since
@@ -32,8 +37,9 @@ COMMUNICATIONS = (AUTO, NCCL, RING, REDUCE_TO_ONE, HIERARCHICAL)
 CPU_DEFAULT = REDUCE_TO_ONE
 
 
-# Across workers only collectives can reduce: NCCL on GPUs, the ring elsewhere.
-MULTI_WORKER = (AUTO, NCCL, RING)
+# Across workers only collectives can reduce: NCCL on GPUs, the ring elsewhere, or pairs
+# of replicas by halving-doubling.
+MULTI_WORKER = (AUTO, NCCL, RING, HALVING_DOUBLING)
 
 
 def select_communication(requested, device_types, multi_worker=False, physical_gpus=None):
@@ -114,6 +120,20 @@ def check_compression(compression, shard=None):
             f"compression={compression!r} with shard={shard!r} is not supported yet: ZeRO "
             f"reduces its gradient buckets itself. Use one of them.")
     return compression
+
+
+def check_sharded_communication(communication, shard):
+    """`communication` unless ZeRO (`shard`) cannot reduce with it: a ValueError then.
+
+    >>> check_sharded_communication("ring", "optimizer")
+    'ring'
+    """
+    if shard and communication == HALVING_DOUBLING:
+        raise ValueError(
+            f"communication={communication!r} with shard={shard!r} is not supported yet: "
+            f"ZeRO reduces its gradient buckets itself. Use communication='auto' or 'ring' "
+            f"with shard=, or drop shard=.")
+    return communication
 
 
 # --- Bytes per training step ------------------------------------------------------------

@@ -35,43 +35,52 @@ def cluster():
         c.kill_all()
 
 
-def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None):
+def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
+                            global_batch=common.GLOBAL_BATCH):
     x, y = common.data(examples)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = common.model()
         model.compile(common.optimizer(optimizer), common.loss())
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH),
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch),
               epochs=epochs, verbose=0)
     return model.get_weights()
 
 
-# 136 examples end with a partial global batch of 8: it must split, not hang. With
-# compression="fp16" the workers sum float16 gradients across processes: they agree with each
-# other, and with one process to float16's rounding only. With sync_every=3 each worker steps
-# alone and the two average their weights every 3 steps (16 steps: also after fit): as two
-# replicas of one process do (whose rule the conformance column "dp2_local" checks).
-@pytest.mark.parametrize("examples, compression, sync_every",
-                         [(128, None, 1), (136, None, 1), (128, "fp16", 1), (128, None, 3)])
-def test_two_workers_fit_equals_one_process(cluster, tmp_path, examples, compression,
-                                            sync_every):
-    workers = cluster(2)
-    workers.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
-                   f"--sync_every={sync_every}"]
-                  + ([f"--compression={compression}"] if compression else []))
-    assert workers.wait(["worker:0", "worker:1"], timeout=240) == [0, 0], workers.output()[-4000:]
-    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in (0, 1)]
+# With compression="fp16" the workers sum float16 gradients across processes: they agree
+# with each other, and with one process to float16's rounding only. With sync_every=3 each
+# worker steps alone and the two average their weights every 3 steps (16 steps: also after
+# fit): as two replicas of one process do (whose rule the conformance column "dp2_local"
+# checks). Three workers by halving-doubling: the third hands its gradients to the first
+# and gets the sum back, the first two exchange halves (a partial last global batch of 16
+# of 136 examples split over 3 replicas: it must split, not hang).
+@pytest.mark.parametrize("workers, examples, compression, sync_every, communication", [
+    (2, 128, None, 1, "auto"), (3, 136, None, 1, "halving_doubling"),
+    (2, 128, "fp16", 1, "auto"), (2, 128, None, 3, "auto")])
+def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, compression,
+                                        sync_every, communication):
+    batch = 24 if workers == 3 else common.GLOBAL_BATCH
+    tasks = cluster(workers)
+    names = [f"worker:{i}" for i in range(workers)]
+    tasks.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
+                 f"--sync_every={sync_every}", f"--communication={communication}",
+                 f"--global_batch={batch}"]
+                + ([f"--compression={compression}"] if compression else []))
+    assert tasks.wait(names, timeout=240) == [0] * workers, tasks.output()[-4000:]
+    results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(workers)]
     options = f", compression={compression!r}" if compression else ""
     options += f", sync_every={sync_every}" if sync_every > 1 else ""
+    wire = "ring" if communication == "auto" else communication
     for result in results:
-        assert result["strategy"] == ("DataParallelStrategy(workers=2, replicas=2, "
-                                      f"communication='ring'{options})")
+        assert result["strategy"] == (f"DataParallelStrategy(workers={workers}, "
+                                      f"replicas={workers}, communication='{wire}'{options})")
         assert result["epochs_run"] == 2
-        assert result["iterations"] == 2 * -(-examples // common.GLOBAL_BATCH)
+        assert result["iterations"] == 2 * -(-examples // batch)
         assert result["predictions_shape"] == [examples, 3]
-    weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in (0, 1)]
-    for w0, w1 in zip(*weights):
-        np.testing.assert_array_equal(w0, w1)
-    want = _single_process_weights(2, examples)
+    weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in range(workers)]
+    for other in weights[1:]:
+        for w0, w1 in zip(weights[0], other):
+            np.testing.assert_array_equal(w0, w1)
+    want = _single_process_weights(2, examples, global_batch=batch)
     if sync_every > 1:
         summed = want  # Plain data parallelism's: the averaging is another rule.
         want = _single_process_weights(2, examples, strategy=tfpar.DataParallelStrategy(

@@ -3,11 +3,24 @@
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
+from tfpar.distribute.common import pair_exchanges
 from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
 
 
-def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0):
+def route_halving_doubling(ops, num_replicas, collective_keys, options, first_replica,
+                           key_base):
+    """Makes TensorFlow's collective all-reduce `ops` (this process's replicas, the first
+    of them replica `first_replica` of `num_replicas`) all-reduce dense tensors by
+    halving-doubling in the strategy's group keys at `key_base`."""
+    tf_runtime.route_dense_all_reduces(
+        ops, num_replicas, collective_keys, options, first_replica,
+        pair_exchanges.Exchanges(num_replicas, key_base))
+    return ops
+
+
+def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0,
+                          key_base=None):
     """Returns a `tf.distribute.CrossDeviceOps` for a concrete communication.
 
     Over devices of several processes only collectives reduce (TensorFlow's in-process
@@ -20,9 +33,21 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
       devices: canonical device names, one per replica.
       collective_keys: the strategy's `CollectiveKeys`, shared with its other
         collectives so that instance keys never collide.
-      bytes_per_pack: for "ring", concatenate gradients into packs of about this
-        many bytes (0: one collective per tensor).
+      bytes_per_pack: for "ring" and "halving_doubling", concatenate gradients into
+        packs of about this many bytes (0: one collective per tensor).
+      key_base: the strategy's block of group keys ("halving_doubling" only: its pairs'
+        groups are keyed from it).
     """
+    if communication == comm.HALVING_DOUBLING:
+        if key_base is None:
+            raise ValueError("communication='halving_doubling' reduces the replicas of a "
+                             "DataParallelStrategy only; here use 'auto' or 'ring'.")
+        options = tf_runtime.collective_options(
+            bytes_per_pack=bytes_per_pack,
+            implementation=tf_runtime.collective_implementation(comm.RING))
+        return route_halving_doubling(
+            tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys),
+            len(devices), collective_keys, options, 0, key_base)
     if devices_lib.spans_tasks(devices):
         if communication not in comm.MULTI_WORKER:
             raise ValueError(f"Devices of several processes reduce by collectives only, not "

@@ -67,3 +67,32 @@ def pair_key(key_base, first, second, num_replicas):
         raise ValueError(f"No group key for every pair of {num_replicas} replicas.")
     index = first * (2 * num_replicas - first - 1) // 2 + (second - first - 1)
     return key_base + _BLOCK - index
+
+
+# Halving-doubling all-reduces (`tfpar.distribute.common.pair_exchanges`) exchange in
+# groups of two, one group per pair of replicas that meet: (i, i ^ 2^level) at each level
+# of the core, (i, i + core) when the replicas are not a power of two. Their keys lie in a
+# region of their own above every block (int32 keys end at 2^31): each strategy has 2^20
+# there, room for 32,768 replicas.
+_FIRST_EXCHANGE_KEY = 1 << 30
+_EXCHANGE_KEYS = 1 << 20
+_EXCHANGE_STRATEGIES = 512  # Per kind (one-host, cross-worker) and process.
+_LEVELS = 32
+
+
+def exchange_key(key_base, lower, level):
+    """The group key of the pair of replicas that meet at `level` of a halving-doubling
+    all-reduce of the strategy at `key_base`, `lower` the lower replica of the two."""
+    block = key_base // _BLOCK
+    across_workers = block >= _FIRST_CLUSTER_BLOCK
+    index = block - (_FIRST_CLUSTER_BLOCK if across_workers else _FIRST_LOCAL_BLOCK)
+    if not 0 <= index < _EXCHANGE_STRATEGIES:
+        raise ValueError(f"Halving-doubling all-reduces have group keys for "
+                         f"{_EXCHANGE_STRATEGIES} strategies of a process; this is its "
+                         f"{index + 1}th. Use communication='ring' for more strategies.")
+    pair = lower * _LEVELS + level
+    if not (0 <= level < _LEVELS and 0 <= pair < _EXCHANGE_KEYS):
+        raise ValueError(f"No group key for replica {lower} at level {level}: "
+                         f"halving-doubling reaches {_EXCHANGE_KEYS // _LEVELS} replicas.")
+    kind = _EXCHANGE_STRATEGIES if across_workers else 0
+    return _FIRST_EXCHANGE_KEY + (kind + index) * _EXCHANGE_KEYS + pair

@@ -10,7 +10,7 @@ from tfpar.distribute.common import device_memory as memory
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
-from tfpar.distribute.common.cross_device import make_cross_device_ops
+from tfpar.distribute.common.cross_device import make_cross_device_ops, route_halving_doubling
 from tfpar.distribute.data_parallel import local_sgd, multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
@@ -27,8 +27,9 @@ from tfpar.keras import zero_optimizers as keras_sharded
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
-from tfpar.plan.communication import (COMMUNICATIONS, check_bytes_per_pack,
-                                      check_compression, select_communication)
+from tfpar.plan.communication import (COMMUNICATIONS, HALVING_DOUBLING, PACKING,
+                                      check_bytes_per_pack, check_compression,
+                                      check_sharded_communication, select_communication)
 
 
 class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.MirroredStrategy):
@@ -44,9 +45,11 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
       devices: device names, one replica each. None: all GPUs, or all logical
         CPUs when there is no GPU.
       communication: "auto" (NCCL when every device is a GPU, else the fastest
-        CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one" or
-        "hierarchical".
-      bytes_per_pack: for ring all-reduce, pack gradients into chunks of about
+        CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one",
+        "hierarchical" or "halving_doubling" (replicas exchange in pairs: log2(n)
+        steps for buffers up to 64 KiB, 2 log2(n) above, where a ring takes 2 (n-1);
+        `tfpar.plan.halving_doubling`; not with `shard` yet).
+      bytes_per_pack: for ring and halving-doubling all-reduce, pack gradients into chunks of about
         this many bytes (0: one collective per gradient). None: 0 on one host
         (packing measured no gain there), 4 MiB across workers (measured ~15%
         faster steps than unpacked; see BUILD_NOTES.md). Under `shard`, the size of
@@ -176,15 +179,17 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self.communication = communication if given else select_communication(
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))  # (Given: its class name.)
+        check_sharded_communication(self.communication, self.shard)
         bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
-        if bytes_per_pack and self.communication != "ring":
+        if bytes_per_pack and self.communication not in PACKING:
             raise ValueError(
-                f"bytes_per_pack packs gradients for communication='ring', but this strategy "
-                f"uses {self.communication!r}. Pass communication='ring' or drop bytes_per_pack.")
+                f"bytes_per_pack packs gradients for communication='ring' or "
+                f"'halving_doubling', but this strategy uses {self.communication!r}. Pass one "
+                f"of them or drop bytes_per_pack.")
         # Read by MirroredExtended when it makes its CollectiveKeys.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack,
-                                     self._given_cross_device_ops)
+                                     self._given_cross_device_ops, self._collective_key_base)
 
     def _install_keras_hooks(self):
         keras_hooks.install_crash_safe_backups()
@@ -288,9 +293,10 @@ class _DataParallelExtended(zero_owners.OwnerPlacedVariables, tf_runtime.mirrore
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack,
-                 given_ops=None):
+                 given_ops=None, key_base=None):
         self._dp_communication = communication
         self._dp_bytes_per_pack = bytes_per_pack
+        self._dp_key_base = key_base
         self._given_cross_device_ops = given_ops  # A user's cross_device_ops, used as given.
         super().__init__(container_strategy, devices=devices)
 
@@ -299,7 +305,7 @@ class _DataParallelExtended(zero_owners.OwnerPlacedVariables, tf_runtime.mirrore
         tf_runtime.set_cross_device_ops(
             self, self._given_cross_device_ops or make_cross_device_ops(
                 self._dp_communication, tf_runtime.replica_devices(self),
-                tf_runtime.collective_keys(self), self._dp_bytes_per_pack))
+                tf_runtime.collective_keys(self), self._dp_bytes_per_pack, self._dp_key_base))
 
     def _experimental_distribute_dataset(self, dataset, options):
         dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
@@ -345,10 +351,18 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
                                                 multi_worker.MULTI_WORKER_PACK_BYTES),
             timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
             implementation=multi_worker.implementation(self.communication))
+        check_sharded_communication(self.communication, self.shard)
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
-        return multi_worker.MultiWorkerExtended(
+        extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=self._dp_cluster_resolver,
             communication_options=self._worker_options)
+        if self.communication == HALVING_DOUBLING:
+            route_halving_doubling(
+                tf_runtime.cross_device_ops(extended),
+                tf_runtime.num_replicas_in_sync(extended), tf_runtime.collective_keys(extended),
+                self._worker_options, tf_runtime.first_local_replica(extended),
+                self._collective_key_base)
+        return extended
 
     def _install_keras_hooks(self):
         keras_hooks.install_multi_worker_callbacks()

@@ -11,12 +11,14 @@ from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import zero_owners
 from tfpar.keras import internals
 from tfpar.keras import tf_runtime
-from tfpar.plan.communication import NCCL, RING
+from tfpar.plan.communication import HALVING_DOUBLING, NCCL, RING
 
 
 def implementation(communication):
-    """TensorFlow's collective implementation for "nccl" or "ring"."""
-    return tf_runtime.collective_implementation({NCCL: "nccl", RING: "ring"}[communication])
+    """TensorFlow's collective implementation for "nccl" or "ring" (and for what
+    "halving_doubling" leaves to TensorFlow: sparse values, gathers, broadcasts)."""
+    return tf_runtime.collective_implementation(
+        {NCCL: "nccl", RING: "ring", HALVING_DOUBLING: "ring"}[communication])
 
 
 # Packing gradients into ~4 MiB collectives cut the 2-worker step time by ~15%

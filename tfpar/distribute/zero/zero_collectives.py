@@ -8,20 +8,13 @@ import weakref
 import tensorflow as tf
 
 from tfpar.distribute.common import group_keys
+from tfpar.keras import tf_runtime
 from tfpar.keras.replicas import replica_id, replica_in_sync
 
 
 # Instance keys per tag: a variable read (and its gradient sent) this many times in a step
 # at most.
 _OCCURRENCES = 64
-
-
-def _outermost_graph():
-    """The function being traced (not a cond branch or loop body inside it)."""
-    graph = tf.compat.v1.get_default_graph()
-    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
-        graph = graph.outer_graph  # (Only a function's graph has an outer graph.)
-    return graph
 
 
 def _runs(tensors):
@@ -88,7 +81,7 @@ class ShardCollectives:
         whatever order each traces its collectives in. (Counted in trace order, as
         TensorFlow counts its own, the keys of a recomputed layer's reads and gradients
         differed between an owner and the others: a shape mismatch across workers.)"""
-        graph = _outermost_graph()
+        graph = tf_runtime.outermost_function_graph()
         with self._lock:
             counts = self._counts.setdefault(graph, collections.Counter())
             key = (group, tag, self._devices[replica_id()])

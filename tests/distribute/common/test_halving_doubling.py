@@ -1,0 +1,131 @@
+"""Halving-doubling all-reduce: the plan of exchanges (pure Python) and the collectives that
+carry it out on logical CPUs (`communication="halving_doubling"`)."""
+
+import random
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import cpus
+
+import tfpar
+from tfpar.distribute.common import group_keys
+from tfpar.distribute.common.pair_exchanges import Exchanges
+from tfpar.keras import tf_runtime
+from tfpar.plan import halving_doubling as hd
+
+
+@pytest.mark.parametrize("algorithm", hd.ALGORITHMS)
+def test_every_replica_ends_with_the_sum_for_any_number_of_replicas(algorithm):
+    rng = random.Random(0)
+    for world in range(1, 18):
+        for size in (1, 3, 8, 37):
+            buffers = [[rng.randint(-99, 99) for _ in range(size)] for _ in range(world)]
+            want = [sum(column) for column in zip(*buffers)]
+            assert hd.simulate(buffers, algorithm) == [want] * world, (world, size)
+
+
+def _sent(rank, world, algorithm, nbytes):
+    """Bytes replica `rank` sends, counted from its plan (a hand-over sends the buffer)."""
+    chunk = -(-nbytes // hd.core_size(world))
+    total = 0
+    for step in hd.plan(rank, world, algorithm):
+        if step.kind in (hd.GIVE, hd.GIVE_RESULT, hd.SWAP):
+            total += nbytes
+        elif step.kind == hd.HALVE:
+            total += (step.send[1] - step.send[0]) * chunk
+        elif step.kind == hd.DOUBLE:
+            total += (step.keep[1] - step.keep[0]) * chunk
+    return total
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8, 16])
+def test_the_plans_send_what_the_formulas_say_in_fewer_steps_than_a_ring(world):
+    nbytes = 1 << 20
+    for algorithm in hd.ALGORITHMS:
+        busiest = max(_sent(r, world, algorithm, nbytes) for r in range(world))
+        assert busiest == hd.bytes_sent(nbytes, world, algorithm), (world, algorithm)
+        assert max(len(hd.plan(r, world, algorithm)) for r in range(world)) == \
+            hd.sequential_steps(world, algorithm)
+    if world == hd.core_size(world):  # A power of two: a ring's bytes, fewer steps.
+        assert hd.bytes_sent(nbytes, world, hd.HALVING_DOUBLING) == \
+            hd.bytes_sent(nbytes, world, "ring")
+        if world > 2:
+            assert hd.sequential_steps(world, hd.HALVING_DOUBLING) < \
+                hd.sequential_steps(world, "ring")
+
+
+def test_bad_plans_are_refused():
+    with pytest.raises(ValueError, match="rank must be a replica index in"):
+        hd.plan(4, 4)
+    with pytest.raises(ValueError, match="Unknown all-reduce algorithm 'tree'"):
+        hd.plan(0, 4, "tree")
+    with pytest.raises(ValueError, match="integer >= 1"):
+        hd.core_size(0)
+
+
+def test_exchange_group_keys_are_distinct_and_clear_of_the_strategies_blocks():
+    base = group_keys.next_key_base(across_workers=True)
+    keys = {group_keys.exchange_key(base, lower, level)
+            for lower in range(64) for level in range(7)}
+    assert len(keys) == 64 * 7
+    assert min(keys) > base + 1000 and max(keys) < 2**31
+    local = group_keys.next_key_base()
+    assert not keys & {group_keys.exchange_key(local, lower, level)
+                       for lower in range(64) for level in range(7)}
+
+
+def _routed(n, doubling_bytes):
+    """TensorFlow's collective all-reduce over n logical CPUs, routed by halving-doubling."""
+    devices = [tf_runtime.canonical_device(d) for d in cpus(n)]
+    strategy = tfpar.DataParallelStrategy(cpus(n), communication="halving_doubling")
+    keys = tf_runtime.collective_keys(strategy.extended)
+    ops = tf_runtime.ring_all_reduce(devices, 0, keys)
+    options = tf_runtime.collective_options(
+        implementation=tf_runtime.collective_implementation("ring"))
+    tf_runtime.route_dense_all_reduces(
+        ops, n, keys, options, 0,
+        Exchanges(n, group_keys.next_key_base(), doubling_bytes=doubling_bytes))
+    values = []
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            values.append(tf.constant(np.arange(7, dtype="float32") * 0.1 * (i + 1)))
+    return ops, tf_runtime.per_replica(values), devices
+
+
+@pytest.mark.parametrize("n, doubling_bytes, gathers", [
+    (4, 0, 4),        # halving-doubling: 2 log2(4) exchanges per replica
+    (4, 1 << 20, 2),  # recursive doubling: log2(4)
+    (3, 0, 2),        # 3 = 2 + 1: the third hands over, the core of 2 halves and doubles
+])
+def test_routed_all_reduces_sum_on_every_replica_by_pairs(n, doubling_bytes, gathers):
+    ops, values, devices = _routed(n, doubling_bytes)
+    want = np.arange(7, dtype="float32") * 0.1 * sum(range(1, n + 1))
+
+    @tf.function
+    def reduce(values):
+        return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(values, values)])[0].values)
+
+    for result in (reduce(values), ops.reduce(tf.distribute.ReduceOp.SUM, values, values).values):
+        for got in result:
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+            np.testing.assert_array_equal(got.numpy(), result[0].numpy())  # Bitwise alike.
+    graph = reduce.get_concrete_function(values).graph
+    pairs = [op for op in graph.get_operations()
+             if op.type in ("CollectiveGatherV2", "CollectiveReduceV2")]
+    assert pairs and all(tf.get_static_value(op.inputs[1]) == 2 for op in pairs)  # Pairs.
+    on_first = [op for op in pairs if op.type == "CollectiveGatherV2"
+                and op.device == devices[0]]
+    assert len(on_first) == gathers
+    handed_over = [op for op in pairs if op.type == "CollectiveReduceV2"]
+    assert len(handed_over) == (4 if n == 3 else 0)  # Each hand-over on both of its sides.
+
+
+def test_halving_doubling_is_refused_under_shard_and_outside_data_parallelism():
+    with pytest.raises(ValueError, match="communication='halving_doubling' with "
+                                         "shard='optimizer' is not supported yet"):
+        tfpar.DataParallelStrategy(cpus(2), communication="halving_doubling", shard="optimizer")
+    strategy = tfpar.DataParallelStrategy(cpus(2), communication="halving_doubling",
+                                          bytes_per_pack=1024)
+    assert repr(strategy) == ("DataParallelStrategy(replicas=2, "
+                              "communication='halving_doubling')")
