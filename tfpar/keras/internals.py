@@ -93,7 +93,8 @@ SYMBOLS = {
         "a chief's dataset sent to each worker",
     "tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce": "ring all-reduce",
     "tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher":
-        "subclassed: a replica's dense all-reduces by halving-doubling",
+        "subclassed: collectives timed once per function; dense all-reduces by "
+        "halving-doubling",
     "tensorflow.python.distribute.values.PerReplica":
         "a tensor-parallel group's partial sums, reduced by collectives across processes",
     "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
@@ -185,8 +186,8 @@ ATTRIBUTES = {
     "_cross_device_ops": "MirroredExtended",
     "_communication_options": "MirroredExtended",
     "_devices": "MirroredExtended; CollectiveAllReduce (its replicas' devices)",
-    "_launchers": "CollectiveAllReduce (written: launchers whose dense all-reduces go by "
-                  "halving-doubling)",
+    "_launchers": "CollectiveAllReduce (written: launchers timed once per traced function, "
+                  "whose dense all-reduces may go by halving-doubling)",
     "_container_strategy": "tf.distribute.StrategyExtended",
     "_local_results": "tf.distribute.StrategyExtended",
     "_device": "OneDeviceExtended",
@@ -218,6 +219,8 @@ OVERRIDES = {
     "_batch_reduce_to": "MirroredExtended: a pipeline's gradients reduced stage by stage",
     "_get_cross_device_ops": "MirroredExtended: each pipeline stage's own cross-device ops",
     "_update": "OneDeviceExtended: an optimizer update on its variable's device",
+    "_all_gather": "CollectiveReplicaLauncher: a gather's timeout on the first collective of "
+                   "a traced function only (TensorFlow holds a thread per timed collective)",
     "_read_variable_op": "dtensor.DVariable: a mesh variable read where it is laid out",
     "_dense_var_to_tensor": "tf.Variable: a stage-3 variable across workers read from its owner",
 }

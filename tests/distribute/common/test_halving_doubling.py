@@ -83,7 +83,7 @@ def _routed(n, doubling_bytes):
     ops = tf_runtime.ring_all_reduce(devices, 0, keys)
     options = tf_runtime.collective_options(
         implementation=tf_runtime.collective_implementation("ring"))
-    tf_runtime.route_dense_all_reduces(
+    tf_runtime.replace_launchers(
         ops, n, keys, options, 0,
         Exchanges(n, group_keys.next_key_base(), doubling_bytes=doubling_bytes))
     values = []
@@ -129,3 +129,30 @@ def test_halving_doubling_is_refused_under_shard_and_outside_data_parallelism():
                                           bytes_per_pack=1024)
     assert repr(strategy) == ("DataParallelStrategy(replicas=2, "
                               "communication='halving_doubling')")
+
+
+def test_a_timeout_goes_on_the_first_collective_of_each_function_only():
+    """TensorFlow holds a thread for each collective with a timeout for as long as the
+    timeout (BUILD_NOTES): a Keras fit of 1,024 steps on 2 workers left 12,400 threads in
+    each at the 600 s default. tfpar's launchers time the first collective each replica
+    launches in a traced function, which a peer that never comes still stops."""
+    devices = [tf_runtime.canonical_device(d) for d in cpus(2)]
+    strategy = tfpar.DataParallelStrategy(cpus(2), communication="ring")
+    keys = tf_runtime.collective_keys(strategy.extended)
+    ops = tf_runtime.ring_all_reduce(devices, 0, keys)
+    options = tf_runtime.collective_options(
+        timeout_seconds=30.0, implementation=tf_runtime.collective_implementation("ring"))
+    tf_runtime.replace_launchers(ops, 2, keys, options, 0)
+    values = tf_runtime.per_replica([tf.ones([3]) * (i + 1) for i in range(2)])
+
+    @tf.function
+    def step(values):
+        first = ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(values, values)])[0]
+        second = ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(first, first)])[0]
+        return list(second.values)
+
+    np.testing.assert_allclose(step(values)[1].numpy(), [6.0] * 3)
+    reduces = [op for op in step.get_concrete_function(values).graph.get_operations()
+               if op.type == "CollectiveReduceV2"]
+    timeouts = sorted(op.get_attr("timeout_seconds") for op in reduces)
+    assert timeouts == [0.0, 0.0, 30.0, 30.0], timeouts  # One timed per replica.

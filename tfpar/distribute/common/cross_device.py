@@ -8,14 +8,16 @@ from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
 
 
-def route_halving_doubling(ops, num_replicas, collective_keys, options, first_replica,
-                           key_base):
-    """Makes TensorFlow's collective all-reduce `ops` (this process's replicas, the first
-    of them replica `first_replica` of `num_replicas`) all-reduce dense tensors by
-    halving-doubling in the strategy's group keys at `key_base`."""
-    tf_runtime.route_dense_all_reduces(
+def install_launchers(ops, num_replicas, collective_keys, options, first_replica,
+                      key_base=None):
+    """Gives TensorFlow's collective all-reduce `ops` (this process's replicas, the first of
+    them replica `first_replica` of `num_replicas`) tfpar's launchers: the timeout of
+    `options` on the first collective of each traced function only
+    (`tf_runtime.replace_launchers`), and with `key_base` (the strategy's group keys) dense
+    all-reduces by halving-doubling."""
+    tf_runtime.replace_launchers(
         ops, num_replicas, collective_keys, options, first_replica,
-        pair_exchanges.Exchanges(num_replicas, key_base))
+        None if key_base is None else pair_exchanges.Exchanges(num_replicas, key_base))
     return ops
 
 
@@ -45,7 +47,7 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
         options = tf_runtime.collective_options(
             bytes_per_pack=bytes_per_pack,
             implementation=tf_runtime.collective_implementation(comm.RING))
-        return route_halving_doubling(
+        return install_launchers(
             tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys),
             len(devices), collective_keys, options, 0, key_base)
     if devices_lib.spans_tasks(devices):

@@ -102,8 +102,11 @@ class Exchanges:
         for step in steps_lib.plan(me, self.world, algorithm):
             elements = size if span is None else (span[1] - span[0]) * chunk
             collective = "gather" if step.kind in _GATHERS else "reduce"
+            # The timeout (when the launcher gives one) on the first exchange only, as the
+            # launcher times one collective per function (`tf_runtime.replace_launchers`).
             common = self._common(me, step.partner, device, timeout, token,
                                   (elements, flat.dtype.name, collective), in_call)
+            timeout = 0
             if step.kind in (steps_lib.GIVE, steps_lib.TAKE, steps_lib.GIVE_RESULT,
                              steps_lib.TAKE_RESULT):
                 # A hand-over as a sum of the two (the receiver's zeros when it is the

@@ -10,7 +10,7 @@ from tfpar.distribute.common import device_memory as memory
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
-from tfpar.distribute.common.cross_device import make_cross_device_ops, route_halving_doubling
+from tfpar.distribute.common.cross_device import install_launchers, make_cross_device_ops
 from tfpar.distribute.data_parallel import local_sgd, multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
@@ -356,12 +356,11 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=self._dp_cluster_resolver,
             communication_options=self._worker_options)
-        if self.communication == HALVING_DOUBLING:
-            route_halving_doubling(
-                tf_runtime.cross_device_ops(extended),
-                tf_runtime.num_replicas_in_sync(extended), tf_runtime.collective_keys(extended),
-                self._worker_options, tf_runtime.first_local_replica(extended),
-                self._collective_key_base)
+        install_launchers(
+            tf_runtime.cross_device_ops(extended), tf_runtime.num_replicas_in_sync(extended),
+            tf_runtime.collective_keys(extended), self._worker_options,
+            tf_runtime.first_local_replica(extended),
+            self._collective_key_base if self.communication == HALVING_DOUBLING else None)
         return extended
 
     def _install_keras_hooks(self):
