@@ -156,3 +156,42 @@ def test_a_timeout_goes_on_the_first_collective_of_each_function_only():
                if op.type == "CollectiveReduceV2"]
     timeouts = sorted(op.get_attr("timeout_seconds") for op in reduces)
     assert timeouts == [0.0, 0.0, 30.0, 30.0], timeouts  # One timed per replica.
+
+
+@pytest.mark.parametrize("options, dtype", [(dict(compression="fp16"), "float16"),
+                                            (dict(sync_every=2), "float32")])
+def test_halving_doubling_carries_compressed_sums_and_periodic_averages(monkeypatch, options,
+                                                                        dtype):
+    """float16 gradient sums (the marked gather in float16) and local SGD's averagings go
+    through the pairs; with 2 replicas a pair sums a + b as the ring does: the same bits."""
+    import keras
+
+    swapped = []
+    swap = Exchanges._swap
+    monkeypatch.setattr(Exchanges, "_swap", staticmethod(
+        lambda mine, *args: swapped.append(mine.dtype.name) or swap(mine, *args)))
+
+    def weights(communication):
+        strategy = tfpar.DataParallelStrategy(cpus(2), communication=communication, **options)
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "tanh"),
+                                      keras.layers.Dense(3)])
+            model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+        model.fit(x, np.arange(64) % 3, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    paired = weights("halving_doubling")
+    assert dtype in swapped, swapped  # The pairs carried the sums (traced once per replica).
+    swapped.clear()
+    ring = weights("ring")
+    assert not swapped
+    for got, want in zip(paired, ring):
+        np.testing.assert_array_equal(got, want)
+    initial = tfpar.DataParallelStrategy(cpus(2))  # (Trained: not the initial weights.)
+    with initial.scope():
+        keras.utils.set_random_seed(0)
+        start = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "tanh"),
+                                  keras.layers.Dense(3)]).get_weights()
+    assert max(float(np.abs(a - b).max()) for a, b in zip(paired, start)) > 1e-3
