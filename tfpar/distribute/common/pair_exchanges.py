@@ -1,9 +1,10 @@
 """All-reduce by halving-doubling or recursive doubling (the steps:
 `tfpar.plan.halving_doubling`), in TensorFlow's own collectives: each exchange of two
 replicas is a collective gather in a group of the two; each hand-over (replicas beyond a
-power of two) a collective sum in such a group. `DataParallelStrategy(communication="halving_doubling")` routes its replicas'
-dense all-reduces here (`tf_runtime.route_dense_all_reduces`); sparse gradients, gathers
-and broadcasts stay TensorFlow's.
+power of two) a collective sum in such a group.
+`DataParallelStrategy(communication="halving_doubling")` routes its replicas' dense
+all-reduces here (`tf_runtime.replace_launchers`); sparse gradients, gathers and broadcasts
+stay TensorFlow's.
 
 On CPUs TensorFlow's ring takes 2 (n-1) steps one after another, each a message between
 two processes: a latency that grows with the replicas. Halving-doubling sends the same
@@ -27,16 +28,17 @@ class Exchanges:
     """Carries out halving-doubling all-reduces over `world` replicas of the strategy whose
     group keys start at `key_base`, buffers up to `doubling_bytes` by recursive doubling.
     Called as `exchanges(tensor, device, rank, timeout_seconds, ordering_token)` -> the sum
-    over replicas (`tf_runtime.route_dense_all_reduces` calls it)."""
+    over replicas (`tf_runtime.replace_launchers`' launchers call it)."""
 
     def __init__(self, world, key_base, doubling_bytes=None):
         self.world = world
-        self.doubling_bytes = steps_lib.DOUBLING_BYTES if doubling_bytes is None else doubling_bytes
+        self.doubling_bytes = (steps_lib.DOUBLING_BYTES if doubling_bytes is None
+                               else doubling_bytes)
         self._key_base = key_base
         self._lock = threading.Lock()
         # Per traced function, how many collectives each (group, device) made so far.
         self._positions = weakref.WeakKeyDictionary()
-        self._keys = {}  # group key -> {(position, elements, dtype, kind): instance key}
+        self._keys = {}  # group -> {(position, elements, dtype, collective): instance key}
 
     def algorithm_for(self, nbytes):
         return steps_lib.choose(nbytes, self.world, self.doubling_bytes)
