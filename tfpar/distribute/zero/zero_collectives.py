@@ -49,6 +49,8 @@ class ShardCollectives:
         self._keys = collective_keys
         self._devices = devices  # This worker's replica devices.
         self._timeout = timeout_seconds or 0
+        # Per replica device, the functions whose first collective carries the timeout.
+        self._timed = collections.defaultdict(weakref.WeakSet)
         self._key_base = key_base  # The strategy's block of group keys ("pairwise").
         self._lock = threading.Lock()
         # Per traced function: how many transfers of each (group, tag) a replica made.
@@ -58,6 +60,13 @@ class ShardCollectives:
     def scatters(self):
         """Whether `reduce_scatter` exists (else gradients are all-reduced)."""
         return self.kind != "all_reduce"
+
+    def _timeout_here(self):
+        """The timeout on this replica's first collective of the function being traced only
+        (`tf_runtime.first_collective_timeout`)."""
+        with self._lock:
+            return tf_runtime.first_collective_timeout(
+                self._timed[self._devices[replica_id()]], self._timeout)
 
     def _keys_here(self):
         group = self._keys.get_group_key(self._devices)
@@ -100,7 +109,7 @@ class ShardCollectives:
         of two, about tag `tag`."""
         group = group_keys.pair_key(self._key_base, min(me, other), max(me, other), n)
         common = dict(group_size=2, group_key=group, instance_key=self._instance(group, tag),
-                      communication_hint="auto", timeout_seconds=self._timeout)
+                      communication_hint="auto", timeout_seconds=self._timeout_here())
         if source == me:
             return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
         return tf.raw_ops.CollectiveBcastRecvV2(shape=value.shape, T=value.dtype, **common)
@@ -159,7 +168,7 @@ class ShardCollectives:
             group = group_keys.broadcast_key(self._key_base)
             instance = self._instance(group, tag)
         common = dict(group_size=ctx.num_replicas_in_sync, group_key=group,
-                      instance_key=instance, timeout_seconds=self._timeout,
+                      instance_key=instance, timeout_seconds=self._timeout_here(),
                       communication_hint="nccl" if self.kind == "nccl" else "auto")
         if value is not None:
             return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
