@@ -391,7 +391,8 @@ def test_reshard_after_forward_needs_stage_3_and_leaves_stateful_layers_alone():
 def test_stage_3_fits_a_model_built_under_keras_remat_as_unsharded(unsharded, data):
     """Keras' RematScope fails under model.fit on TensorFlow (keras-team/keras#21207);
     under a sharding strategy the layers' calls are recomputed and training equals the
-    unsharded run."""
+    unsharded run. (SGD with momentum: with Adam the recomputation's rounding, amplified by
+    its normalization, once reached 1e-4 in a whole-suite run, session 27.)"""
     x, y = data
     strategy = tfpar.DataParallelStrategy(cpus(2), shard="parameters")
     keras.utils.set_random_seed(0)
@@ -400,9 +401,9 @@ def test_stage_3_fits_a_model_built_under_keras_remat_as_unsharded(unsharded, da
             layers = [keras.layers.Dense(16, activation="tanh"),
                       keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
         model = keras.Sequential([keras.Input((4,))] + layers)
-        model.compile(_optimizer("adam"), LOSS)
+        model.compile(_optimizer("sgd_momentum"), LOSS)
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    for got, expected in zip(model.get_weights(), unsharded["adam"].get_weights()):
+    for got, expected in zip(model.get_weights(), unsharded["sgd_momentum"].get_weights()):
         np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
