@@ -121,6 +121,12 @@ def collective_options(**options):
     return internals.symbol("tensorflow.python.distribute.collective_util.Options")(**options)
 
 
+def ring_options(bytes_per_pack, implementation="ring"):
+    """The collective `Options` of `ring_all_reduce`'s ops."""
+    return collective_options(bytes_per_pack=bytes_per_pack,
+                              implementation=collective_implementation(implementation))
+
+
 def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
     """TensorFlow's `CollectiveAllReduce` cross-device ops over `devices` (ring; "nccl":
     the collective's NCCL implementation, which also runs across processes), packing
@@ -129,8 +135,7 @@ def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
     return internals.symbol("tensorflow.python.distribute.cross_device_ops.CollectiveAllReduce")(
         devices=devices,
         group_size=len(devices),
-        options=collective_options(bytes_per_pack=bytes_per_pack,
-                                   implementation=collective_implementation(implementation)),
+        options=ring_options(bytes_per_pack, implementation),
         collective_keys=keys)
 
 

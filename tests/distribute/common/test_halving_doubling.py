@@ -81,10 +81,8 @@ def _routed(n, doubling_bytes):
     strategy = tfpar.DataParallelStrategy(cpus(n), communication="halving_doubling")
     keys = tf_runtime.collective_keys(strategy.extended)
     ops = tf_runtime.ring_all_reduce(devices, 0, keys)
-    options = tf_runtime.collective_options(
-        implementation=tf_runtime.collective_implementation("ring"))
     tf_runtime.replace_launchers(
-        ops, n, keys, options, 0,
+        ops, n, keys, tf_runtime.ring_options(0), 0,
         Exchanges(n, group_keys.next_key_base(), doubling_bytes=doubling_bytes))
     values = []
     for i, device in enumerate(devices):

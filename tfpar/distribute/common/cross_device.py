@@ -44,12 +44,10 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
         if key_base is None:
             raise ValueError("communication='halving_doubling' reduces the replicas of a "
                              "DataParallelStrategy only; here use 'auto' or 'ring'.")
-        options = tf_runtime.collective_options(
-            bytes_per_pack=bytes_per_pack,
-            implementation=tf_runtime.collective_implementation(comm.RING))
         return install_launchers(
             tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys),
-            len(devices), collective_keys, options, 0, key_base)
+            len(devices), collective_keys, tf_runtime.ring_options(bytes_per_pack), 0,
+            key_base)
     if devices_lib.spans_tasks(devices):
         if communication not in comm.MULTI_WORKER:
             raise ValueError(f"Devices of several processes reduce by collectives only, not "

@@ -98,7 +98,7 @@ class Exchanges:
     def _all_reduce(self, flat, device, me, algorithm, timeout, token):
         q = steps_lib.core_size(self.world)
         size = flat.shape.num_elements()
-        chunk = -(-size // q)  # Elements per chunk of the core's q.
+        chunk = steps_lib.chunk_elements(size, self.world)  # Per chunk of the core's q.
         held, span = flat, None  # span: the chunks `held` covers, once cut.
         in_call = collections.Counter()  # Collectives of this all-reduce per group.
         for step in steps_lib.plan(me, self.world, algorithm):

@@ -149,6 +149,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         self.compression = check_compression(compression, shard)
+        check_sharded_communication(communication, shard)
         self.sync_every = local_sgd.check_sync_every(sync_every, shard, compression)
         self.sync_optimizer_state = bool(sync_optimizer_state)
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
@@ -179,7 +180,6 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self.communication = communication if given else select_communication(
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))  # (Given: its class name.)
-        check_sharded_communication(self.communication, self.shard)
         bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         if bytes_per_pack and self.communication not in PACKING:
             raise ValueError(
@@ -351,7 +351,6 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
                                                 multi_worker.MULTI_WORKER_PACK_BYTES),
             timeout_seconds=None if self.timeout_seconds == math.inf else self.timeout_seconds,
             implementation=multi_worker.implementation(self.communication))
-        check_sharded_communication(self.communication, self.shard)
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base(across_workers=True))
         extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=self._dp_cluster_resolver,
