@@ -168,10 +168,11 @@ LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x 
 # Halving-doubling over 3 replicas (`communication="halving_doubling"`: gradients, metric
 # states and a custom loop's sums all-reduced in pairs): the rows whose sums differ in kind
 # (a mean and weighted losses, confusion-matrix metric states, a batch that splits unevenly,
-# clipping after the sum, an AdamW recipe, a loss-scale overflow on one replica).
+# clipping after the sum, an AdamW recipe, a loss-scale overflow on one replica, a custom
+# loop's strategy.run and apply_gradients).
 HALVING_DOUBLING_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "metrics_confusion",
                              "uneven_global_batch", "clip_global_norm_one_replica",
-                             "adamw_recipe", "overflow_one_replica"]
+                             "adamw_recipe", "overflow_one_replica", "custom_loop"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
