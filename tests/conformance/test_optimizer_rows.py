@@ -1,6 +1,7 @@
 """The conformance rows for optimizers come from the installed Keras: every argument of its
 optimizer base class and every optimizer class in `keras.optimizers` has a row (a feature
-that trains with it, run on the columns expected.py gives it)."""
+that trains with it), and every column runs those rows (or names the column whose update
+code it runs)."""
 
 import inspect
 
@@ -59,3 +60,15 @@ def test_every_row_is_a_feature_with_cells():
             assert feature in harness.FEATURES, (what, name, feature)
             columns = [c for (f, c) in expected.EXPECTED if f == feature]
             assert "zero3" in columns or "zero2" in columns, (what, name, columns)
+
+
+def test_every_column_runs_every_optimizer_row_or_names_the_column_whose_step_it_runs():
+    """A column applies the optimizer's update with code of its own, and then has a cell for
+    every optimizer row, or names (expected.OPTIMIZER_STEP_OF) a column whose update code it
+    runs, which has them."""
+    for column in expected.COLUMNS:
+        runs = expected.OPTIMIZER_STEP_OF.get(column, column)
+        assert runs not in expected.OPTIMIZER_STEP_OF, (column, runs)
+        missing = [f for f in expected.OPTIMIZER_FEATURES if (f, runs) not in expected.EXPECTED]
+        assert not missing, (column, runs, missing)
+    assert set(expected.OPTIMIZER_STEP_OF) < set(expected.COLUMNS)

@@ -432,6 +432,13 @@ def _mesh_function(keras_make, kind):
         _refuse_what_dtensor_cannot_run(self)
         runtime, distribution = variable._tfpar_runtime, variable._tfpar_distribution
         batch_axis = getattr(distribution, "batch_dim_name", None)
+        if kind == "train" and self.optimizer is not None and not self.optimizer.built:
+            # Built before its step is traced, as tf.distribute strategies build it: what
+            # an optimizer's `build` sets (ScheduleFreeAdamW's momentum, a copy of the
+            # weights) is set once, not recorded into the step and repeated every step; and
+            # state it makes there (Nadam's `_u_product`) is made outside the step.
+            with _scope(distribution), _on_the_mesh(runtime):
+                self.optimizer.build(self.trainable_variables)
         step = tf.function(getattr(self, f"{kind}_step"), reduce_retracing=True)
 
         def run(data):

@@ -736,9 +736,6 @@ def _refused_before_the_first_step(keras_make_function):
 # orthogonalized matrix, Adafactor's row and column moments): a tensor-parallel shard is not
 # one.
 _WHOLE_VARIABLE_OPTIMIZERS = ("Lamb", "Muon", "Adafactor")
-# Measured against one device (weights after one epoch): 0.7 off under any strategy, stock
-# MirroredStrategy too.
-_REPLICA_UNSAFE_OPTIMIZERS = ("ScheduleFreeAdamW",)
 
 
 def optimizer_refusal(strategy, model, optimizer):
@@ -763,13 +760,6 @@ def optimizer_refusal(strategy, model, optimizer):
             return (f"{type(strategy).__name__} with tensor parallelism cannot keep "
                     f"{name}(use_ema=True)'s averages of split variables yet. Drop use_ema "
                     f"(or average with a callback), or use tensor_parallel=1.")
-    if hooks_of(strategy)._tfpar_mirrored and any(
-            isinstance(inner, getattr(keras.optimizers, n, ())) for n in
-            _REPLICA_UNSAFE_OPTIMIZERS):
-        return (f"{type(strategy).__name__} cannot train {model.name!r} with {name} as one "
-                f"device does: Keras' {name} under a distribution strategy ends far from "
-                f"one device's weights (stock MirroredStrategy too; measured: 0.7 off "
-                f"after one epoch, data parallel, ZeRO-3 and a pipeline alike). Use AdamW.")
     return None
 
 

@@ -112,8 +112,17 @@ class MeshRuntime:
         cut on that device, so no device ever holds more than its piece."""
         value = tf.convert_to_tensor(value)
         axes = layouts.check_layout(self.plan, axes, value.shape, name)
-        if dtensor.is_dtensor(value):  # Computed on the mesh already.
-            return dtensor.relayout(value, self.layout(axes))
+        if dtensor.is_dtensor(value):
+            layout = dtensor.fetch_layout(value)
+            if layout.mesh == self.mesh:  # Computed on the mesh already.
+                return dtensor.relayout(value, self.layout(axes))
+            if not layout.is_fully_replicated():
+                raise ValueError(f"{name} is laid out on another device mesh "
+                                 f"({layout.mesh}) than its variable's ({self.mesh}).")
+            # Made on another mesh, whole on each of its devices (an optimizer built before
+            # fit makes its zeros on the default mesh of the moment): one copy is cut below.
+            # (DTensor cannot relayout across meshes.)
+            value = dtensor.unpack(value)[0]
         pieces = []
         for index, device in enumerate(self.devices):
             bounds = layouts.shard_slices(self.plan, axes, value.shape, index)
