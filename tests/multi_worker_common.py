@@ -106,6 +106,10 @@ def optimizer(name="sgd"):
         # A large model's recipe: weight decay, and a clipping threshold every step's
         # gradient exceeds (the global norm: over every owner's share under ZeRO).
         return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.05)
+    if name == "adamw_clip_ema":  # The same, keeping moving averages of the weights.
+        return keras.optimizers.AdamW(0.01, weight_decay=0.1, global_clipnorm=0.05,
+                                      use_ema=True, ema_momentum=0.9,
+                                      ema_overwrite_frequency=3)
     return keras.optimizers.SGD(LEARNING_RATE)
 
 

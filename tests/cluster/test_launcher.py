@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -443,6 +444,65 @@ def test_local_servers_are_unreachable_from_outside_in_the_private_network():
     reachable, output = _reachable_from_outside("private")
     assert not reachable, output
     assert "['lo']" in output and "tasks run in a private network" in output, output
+
+
+_HOST_PROBE = """
+import json, os, socket, time
+config = json.loads(os.environ["TF_CONFIG"])
+me = config["task"]["index"]
+addresses = config["cluster"]["worker"]
+ip, port = addresses[me].rsplit(":", 1)
+others = [a.rsplit(":", 1)[0] for a in addresses if a.rsplit(":", 1)[0] != ip]
+local = []
+for address in sorted({a.rsplit(":", 1)[0] for a in addresses}):
+    with socket.socket() as s:
+        try:
+            s.bind((address, 0))
+            local.append(address)
+        except OSError:
+            pass
+if me == len(addresses) - 1:  # The last worker listens on its TF_CONFIG address.
+    server = socket.create_server((ip, int(port)))
+    connection, peer = server.accept()
+    print("HEARD", connection.recv(16).decode(), "FROM", peer[0], flush=True)
+else:
+    target = addresses[-1].rsplit(":", 1)
+    for _ in range(100):
+        try:
+            with socket.create_connection((target[0], int(target[1])), timeout=2) as c:
+                c.sendall(f"worker{me}".encode())
+                break
+        except OSError:
+            time.sleep(0.1)
+print("TASK", me, "AT", ip, "LOCAL", ",".join(local), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_simulated_hosts_give_tasks_their_own_addresses_joined_by_a_link():
+    """`--hosts 3`: each host a network namespace with an address of its own; the workers
+    in blocks over them (2, 1, 1 of 4). A task can bind its own host's address only, and
+    reaches the others' over the virtual links (host 1 through host 0)."""
+    done = subprocess.run([PY, "-m", "tfpar.cli.launch", "--hosts=3", "--workers=4",
+                           "--timeout=60", "--", PY, "-c", _HOST_PROBE],
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert ("[launcher] simulated hosts: host 0 at 10.77.1.1: worker:0, worker:1; host 1 at "
+            "10.77.1.2: worker:2; host 2 at 10.77.2.2: worker:3") in out, out
+    for index, ip in enumerate(["10.77.1.1", "10.77.1.1", "10.77.1.2", "10.77.2.2"]):
+        assert f"[worker:{index}] TASK {index} AT {ip} LOCAL {ip}\n" in out, out
+    # The first connection to reach the last worker came over a link (from host 0 or 1).
+    assert re.search(r"\[worker:3\] HEARD worker[012] FROM 10\.77\.[12]\.[12]\n", out), out
+
+
+def test_simulated_hosts_are_refused_with_what_cannot_go_with_them():
+    for flags, message in ((["--hosts=2", "--network=host"], "drop --network=host"),
+                           (["--hosts=2", "--host=10.0.0.5"], "cannot be given with it"),
+                           (["--hosts=0"], "--hosts must be an integer from 1 to 250")):
+        done = subprocess.run([PY, "-m", "tfpar.cli.launch", *flags, "--", PY, "-c", "0"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
 
 
 def test_network_choice():

@@ -18,7 +18,7 @@ import multi_worker_common as common  # noqa: E402
 
 def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=common.EXAMPLES,
          optimizer="sgd", own_dirs=False, compression=None, sync_every=1,
-         communication="auto", global_batch=common.GLOBAL_BATCH):
+         communication="auto", global_batch=common.GLOBAL_BATCH, shard=None):
     import keras
     import tensorflow as tf
 
@@ -26,7 +26,8 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=comm
 
     keras.config.disable_traceback_filtering()
     strategy = tfpar.DataParallelStrategy(timeout_seconds=timeout, compression=compression,
-                                          sync_every=sync_every, communication=communication)
+                                          sync_every=sync_every, communication=communication,
+                                          shard=shard)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}-{task['index']}"
     print(f"PID {os.getpid()}", flush=True)
@@ -62,4 +63,5 @@ if __name__ == "__main__":
          float(args["timeout"]) if "timeout" in args else None,
          int(args.get("examples", common.EXAMPLES)), args.get("optimizer", "sgd"),
          args.get("own_dirs") == "1", args.get("compression"), int(args.get("sync_every", 1)),
-         args.get("communication", "auto"), int(args.get("global_batch", common.GLOBAL_BATCH)))
+         args.get("communication", "auto"), int(args.get("global_batch", common.GLOBAL_BATCH)),
+         args.get("shard"))

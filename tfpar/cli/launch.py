@@ -93,6 +93,12 @@ flags.DEFINE_integer("gpus_per_task", None,
                      "this host's: CUDA_VISIBLE_DEVICES, else nvidia-smi's list); the chief, "
                      "ps and tf.data service tasks see none. Default: the GPUs split evenly "
                      "over the workers. 0: leave CUDA_VISIBLE_DEVICES as it is.")
+flags.DEFINE_integer("hosts", 1,
+                     "Simulate this many hosts on this machine: each a network namespace with "
+                     "its own address (10.77.x.x), joined to the others by virtual links; the "
+                     "workers are split over them in blocks (the chief, tf.data service on "
+                     "the first), so collectives between hosts cross a network interface. "
+                     "Linux, iproute2's `ip`; implies --network=private.")
 flags.DEFINE_bool("slurm", False,
                   "Run the command as this Slurm task (under srun), with the TF_CONFIG that "
                   "TensorFlow's SlurmClusterResolver builds from the Slurm environment.")
@@ -130,15 +136,26 @@ def main(argv):
     try:
         memory_cap = None if FLAGS.memory_cap is None else parse_bytes(FLAGS.memory_cap)
         # Before any task (or thread) starts: the tasks inherit the namespace.
-        _, note = choose_network(FLAGS.network, FLAGS.host)
+        if FLAGS.hosts != 1 and FLAGS.network == "host":
+            raise ValueError("--hosts simulates hosts in private networks: drop "
+                             "--network=host.")
+        if FLAGS.hosts != 1 and FLAGS["host"].present:
+            raise ValueError(f"--hosts simulates hosts on this machine, each with an address "
+                             f"of its own: --host={FLAGS.host} cannot be given with it.")
+        _, note = choose_network("private" if FLAGS.hosts != 1 else FLAGS.network,
+                                 FLAGS.host)
+        if FLAGS.hosts != 1:
+            note = (f"tasks run on {FLAGS.hosts} simulated hosts, private networks joined "
+                    f"by virtual links: nothing outside can reach their servers, and they "
+                    f"cannot reach the network")
         launcher = Launcher(command, FLAGS.workers, FLAGS.ps, FLAGS.host, FLAGS.grace_seconds,
                             report_seconds=FLAGS.report_seconds,
                             max_restarts=FLAGS.max_restarts, data_service=FLAGS.data_service,
                             timeout_seconds=FLAGS.timeout or None,
                             coordinator=FLAGS.coordinator, memory_cap=memory_cap,
                             memory_cap_jobs=FLAGS.memory_cap_jobs,
-                            gpus_per_task=FLAGS.gpus_per_task)
-    except ValueError as error:
+                            gpus_per_task=FLAGS.gpus_per_task, hosts=FLAGS.hosts)
+    except (ValueError, OSError) as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2
     print(f"[launcher] {note}", flush=True)

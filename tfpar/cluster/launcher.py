@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 
-from tfpar.cluster import gpu_assignment, memory_cgroup, memory_probe
+from tfpar.cluster import gpu_assignment, memory_cgroup, memory_probe, network
 from tfpar.cluster.data_service import DATA_SERVICE_ENV
 from tfpar.cluster.tf_config import ClusterConfig
 
@@ -152,19 +152,41 @@ def cluster_jobs(workers, ps=0, coordinator=False):
     return chief + [("worker", workers)] + ([("ps", ps)] if ps else [])
 
 
-def make_cluster(workers, ps=0, host="127.0.0.1", ports=None, coordinator=False):
+def make_cluster(workers, ps=0, host="127.0.0.1", ports=None, coordinator=False,
+                 task_hosts=None):
     """The cluster dict for `workers` workers and `ps` parameter servers, plus a chief if
     `ps` or `coordinator` (see `cluster_jobs`).
 
     `ports`: one per task, in job order (default: free ports, released at once).
+    `task_hosts`: the address of each task, in job order (default: `host` for all).
     """
     jobs = cluster_jobs(workers, ps, coordinator)
     size = sum(n for _, n in jobs)
     ports = list(free_ports(size, host) if ports is None else ports)
     if len(ports) != size:
         raise ValueError(f"The cluster has {size} tasks but {len(ports)} ports were given.")
+    hosts = iter([host] * size if task_hosts is None else task_hosts)
     ports = iter(ports)
-    return {job: tuple(f"{host}:{next(ports)}" for _ in range(n)) for job, n in jobs}
+    return {job: tuple(f"{next(hosts)}:{next(ports)}" for _ in range(n)) for job, n in jobs}
+
+
+def hosts_of_tasks(jobs, hosts):
+    """The host index of every task of `jobs` ([(job, count)], in job order) on `hosts`
+    hosts: the workers in contiguous blocks, as a scheduler fills machines (worker w on
+    host w x hosts // workers), the chief on the first, ps tasks round-robin.
+
+    >>> hosts_of_tasks([("chief", 1), ("worker", 4), ("ps", 2)], 2)
+    [0, 0, 0, 1, 1, 0, 1]
+    """
+    placed = []
+    for job, count in jobs:
+        if job == "worker":
+            placed += [w * hosts // count for w in range(count)]
+        elif job == "ps":
+            placed += [i % hosts for i in range(count)]
+        else:
+            placed += [0] * count
+    return placed
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -184,8 +206,13 @@ def _die_with_parent():
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _in_cgroup_dying_with_parent(cgroup):
-    cgroup.join()
+def _before_exec(cgroup=None, join_host=None):
+    """In the child before exec: into its memory cgroup and onto its simulated host (if
+    any), then dying with the launcher."""
+    if cgroup is not None:
+        cgroup.join()
+    if join_host is not None:
+        join_host()
     _die_with_parent()
 
 
@@ -196,9 +223,10 @@ class Task:
     one (a helper process such as the tf.data service) it is named `name`.
     """
 
-    def __init__(self, config, command, env, output, name=None, cgroup=None):
+    def __init__(self, config, command, env, output, name=None, cgroup=None, join_host=None):
         self.config = config
         self.cgroup = cgroup  # A MemoryCgroup the process runs in, or None.
+        self.join_host = join_host  # Puts the child on its simulated host, or None.
         self.name = config.task_name if config is not None else name
         self.command = list(command)
         self.env = dict(env, PYTHONUNBUFFERED="1")
@@ -212,8 +240,8 @@ class Task:
         self.process = subprocess.Popen(
             self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_die_with_parent if cgroup is None else functools.partial(
-                _in_cgroup_dying_with_parent, cgroup))
+            preexec_fn=_die_with_parent if cgroup is None and join_host is None
+            else functools.partial(_before_exec, cgroup, join_host))
         self._reader = threading.Thread(target=self._forward, args=(output,), daemon=True)
         self._reader.start()
 
@@ -243,7 +271,7 @@ class Task:
                 break
             time.sleep(0.02)
         task = Task(self.config, self.command, self.env, self._output, name=self.name,
-                    cgroup=self.cgroup)
+                    cgroup=self.cgroup, join_host=self.join_host)
         task.restarts = self.restarts + 1
         return task
 
@@ -284,12 +312,17 @@ class Launcher:
         the host's); the chief, ps and tf.data service tasks see none. None: the host's
         GPUs split evenly over the workers; 0: CUDA_VISIBLE_DEVICES left as it is.
       gpus: the host's GPU ids (default: `gpu_assignment.visible_gpus` of `env`).
+      hosts: simulate this many hosts on this machine (`network.SimulatedHosts`: a network
+        namespace each, with its own address, joined by virtual links; this process must
+        be in its private network, `network.enter_private_network`): the tasks are split
+        over them (`hosts_of_tasks`), each bound to and reached at its host's address.
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
                  max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False,
-                 memory_cap=None, memory_cap_jobs=None, gpus_per_task=None, gpus=None):
+                 memory_cap=None, memory_cap_jobs=None, gpus_per_task=None, gpus=None,
+                 hosts=1):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -316,9 +349,22 @@ class Launcher:
         self.memory_cap_jobs = None if memory_cap_jobs is None else tuple(memory_cap_jobs)
         self.command = list(command)
         size = sum(n for _, n in jobs)
-        # Held until the run ends: also while a restarted worker starts again.
+        self._hosts = None
+        self._task_hosts = [0] * size  # The simulated host of each task, in job order.
+        if hosts != 1:
+            if not network.is_loopback(host):
+                raise ValueError(f"--hosts simulates hosts on this machine: --host={host} "
+                                 f"cannot be given with it.")
+            self._hosts = network.SimulatedHosts(hosts)
+            host = self._hosts.addresses[0]
+            self._task_hosts = hosts_of_tasks(jobs, hosts)
+        # Held until the run ends: also while a restarted worker starts again. (On simulated
+        # hosts each namespace has ports of its own; these are held on the first.)
         self._ports = PortReservation(size + (1 + workers if data_service else 0), host)
-        self.cluster = make_cluster(workers, ps, host, self._ports.ports[:size], coordinator)
+        self.cluster = make_cluster(
+            workers, ps, host, self._ports.ports[:size], coordinator,
+            None if self._hosts is None else
+            [self._hosts.addresses[h] for h in self._task_hosts])
         self.host = host
         self.grace_seconds = grace_seconds
         # After a ps dies, the chief gets this long to fail on its own: its error says
@@ -372,6 +418,18 @@ class Launcher:
                              has_ps and job == "worker"))
         return plan
 
+    def _host_of(self, position):
+        """The pre-exec step putting the task at `position` (job order) on its host."""
+        return None if self._hosts is None else self._hosts.joiner(self._task_hosts[position])
+
+    def _describe_hosts(self):
+        names = [f"{job}:{i}" for job, addresses in self.cluster.items()
+                 for i in range(len(addresses))]
+        return "; ".join(
+            f"host {h} at {address}: " + ", ".join(
+                n for n, t in zip(names, self._task_hosts) if t == h)
+            for h, address in enumerate(self._hosts.addresses))
+
     def _start_data_service(self):
         """Starts the dispatcher and its workers; returns the dispatcher's task."""
         env = {k: v for k, v in self.env.items() if k != "TF_CONFIG"}
@@ -424,11 +482,13 @@ class Launcher:
     def _start_cluster(self):
         """Starts every cluster task; returns (user tasks, fatal tasks, restartable tasks)."""
         user_tasks, fatal_tasks, restartable = [], [], []
-        for config, command, runs_user_code, fatal, can_restart in self._plan():
+        for position, (config, command, runs_user_code, fatal, can_restart) in enumerate(
+                self._plan()):
             env = self.env if config.task_name not in self.gpus else {
                 **self.env, gpu_assignment.ENV: self.gpus[config.task_name]}
             task = self._track(Task(config, command, env, self._output,
-                                    cgroup=self._cgroup_of(config.task_name)))
+                                    cgroup=self._cgroup_of(config.task_name),
+                                    join_host=self._host_of(position)))
             if runs_user_code:
                 user_tasks.append(task)
             if fatal:
@@ -488,6 +548,8 @@ class Launcher:
         return self._start_cluster()
 
     def _run(self):
+        if self._hosts is not None:
+            self._output(f"[launcher] simulated hosts: {self._describe_hosts()}")
         if self.gpus:
             self._output("[launcher] CUDA_VISIBLE_DEVICES per task: " + ", ".join(
                 f"{name}={gpus or '(none)'}" for name, gpus in self.gpus.items()))
@@ -596,3 +658,5 @@ class Launcher:
             task.join_output()
         self._report_memory()
         self._ports.close()
+        if self._hosts is not None:
+            self._hosts.close()

@@ -16,6 +16,7 @@ namespace reaches them, and they cannot reach the outside network either.
 
 import ctypes
 import fcntl
+import functools
 import ipaddress
 import os
 import socket
@@ -100,3 +101,110 @@ def choose_network(mode, host, enter=enter_private_network):
     return PRIVATE, ("tasks run in a private network (loopback only): nothing outside can "
                      "reach their servers, and they cannot reach the network. Pass "
                      "--network=host if the job needs it (downloads, remote storage)")
+
+
+# Simulated hosts' links: host i > 0 is 10.77.i.2, joined to host 0 (10.77.i.1) by a virtual
+# link of its own; host 0 answers at 10.77.1.1 and forwards between the others.
+SIMULATED_PREFIX = "10.77"
+
+
+def simulated_host_address(index):
+    """The address of simulated host `index` (0 is the launcher's own namespace).
+
+    >>> [simulated_host_address(i) for i in range(3)]
+    ['10.77.1.1', '10.77.1.2', '10.77.2.2']
+    """
+    return f"{SIMULATED_PREFIX}.1.1" if index == 0 else f"{SIMULATED_PREFIX}.{index}.2"
+
+
+def _unshare_network():
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot create a network namespace: {os.strerror(errno)}")
+
+
+def _join(path):
+    """In a child before exec: joins the network namespace at `path` (/proc/PID/ns/net)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot join the network namespace {path}: "
+                                 f"{os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+class SimulatedHosts:
+    """`count` hosts on this machine, each a network namespace with its own address.
+
+    Host 0 is this process's namespace (the launcher's private network, which it must be
+    in: `enter_private_network`); each other host is a new namespace, kept by a sleeping
+    process, joined to host 0 by a virtual ethernet link (iproute2's `ip`), with its own
+    loopback and a route to every other host through host 0. Tasks started with
+    `joiner(i)` as their pre-exec step run on host i: they bind and connect there, and
+    reach the others' addresses over the links, as on separate machines.
+    """
+
+    def __init__(self, count):
+        import shutil
+        import subprocess
+
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
+            raise ValueError(f"--hosts must be an integer from 1 to 250. Received: {count!r}")
+        if count > 1 and shutil.which("ip") is None:
+            raise OSError("simulated hosts need iproute2's `ip` command on the PATH")
+        self.count = count
+        self.addresses = [simulated_host_address(i) for i in range(count)] if count > 1 \
+            else ["127.0.0.1"]
+        self._holders = []
+        try:
+            for index in range(1, count):
+                holder = subprocess.Popen(["sleep", "infinity"], preexec_fn=_unshare_network,
+                                          stdin=subprocess.DEVNULL)
+                self._holders.append(holder)
+                self._link(index, holder.pid)
+            if count > 2:  # Host 0 carries the traffic between the others.
+                with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+                    f.write("1")
+        except BaseException:
+            self.close()
+            raise
+
+    def _link(self, index, pid):
+        import subprocess
+
+        net = f"/proc/{pid}/ns/net"
+        here, there = (f"{SIMULATED_PREFIX}.{index}.1", f"{SIMULATED_PREFIX}.{index}.2")
+        steps = [
+            (None, ["ip", "link", "add", f"tfpar{index}", "type", "veth", "peer", "name",
+                    "eth0", "netns", str(pid)]),
+            (None, ["ip", "addr", "add", f"{here}/24", "dev", f"tfpar{index}"]),
+            (None, ["ip", "link", "set", f"tfpar{index}", "up"]),
+            (net, ["ip", "link", "set", "lo", "up"]),
+            (net, ["ip", "addr", "add", f"{there}/24", "dev", "eth0"]),
+            (net, ["ip", "link", "set", "eth0", "up"]),
+            (net, ["ip", "route", "add", "default", "via", here]),
+        ]
+        for namespace, command in steps:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30,
+                                  preexec_fn=None if namespace is None else
+                                  (lambda path=namespace: _join(path)))
+            if done.returncode != 0:
+                raise OSError(f"simulated host {index}: `{' '.join(command)}` failed: "
+                              f"{done.stderr.strip()}")
+
+    def joiner(self, index):
+        """The pre-exec step that puts a child process on host `index` (None for host 0)."""
+        if index == 0:
+            return None
+        return functools.partial(_join, f"/proc/{self._holders[index - 1].pid}/ns/net")
+
+    def close(self):
+        """Ends the hosts' namespaces (once their last process has exited)."""
+        for holder in self._holders:
+            holder.kill()
+            holder.wait()
+        self._holders = []

@@ -1,4 +1,5 @@
-"""Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1."""
+"""Multi-worker DataParallelStrategy: real worker processes on 127.0.0.1 (some on two
+simulated hosts: network namespaces joined by a virtual link)."""
 
 import contextlib
 import json
@@ -12,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import multi_worker_common as common
-from cluster_helper import Cluster, stop_launcher
+from cluster_helper import Cluster, run_in_own_session, stop_launcher
 
 import tfpar
 
@@ -52,23 +53,43 @@ def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
 # fit): as two replicas of one process do (whose rule the conformance column "dp2_local"
 # checks). Three workers by halving-doubling: the third hands its gradients to the first
 # and gets the sum back, the first two exchange halves (a partial last global batch of 16
-# of 136 examples split over 3 replicas: it must split, not hang).
-@pytest.mark.parametrize("workers, examples, compression, sync_every, communication", [
-    (2, 128, None, 1, "auto"), (3, 136, None, 1, "halving_doubling"),
-    (2, 128, "fp16", 1, "auto"), (2, 128, None, 3, "auto")])
+# of 136 examples split over 3 replicas: it must split, not hang). ZeRO-3 with a recipe
+# that keeps moving averages (AdamW, weight decay, global clipping, use_ema overwriting the
+# weights every 3 steps): each average on its weight's owner worker, every worker's weights
+# the averages at the end of fit, as one process. The plain and ZeRO-3 cases run on 2
+# simulated hosts (`tfpar launch --hosts=2`: a network namespace and an address each, a
+# virtual link between them), so their collectives cross a network interface.
+@pytest.mark.parametrize("workers, examples, compression, sync_every, communication, shard, "
+                         "optimizer, hosts", [
+                             (2, 128, None, 1, "auto", None, "sgd", 2),
+                             (3, 136, None, 1, "halving_doubling", None, "sgd", 1),
+                             (2, 128, "fp16", 1, "auto", None, "sgd", 1),
+                             (2, 128, None, 3, "auto", None, "sgd", 1),
+                             (2, 128, None, 1, "auto", "parameters", "adamw_clip_ema", 2)])
 def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, compression,
-                                        sync_every, communication):
+                                        sync_every, communication, shard, optimizer, hosts):
     batch = 24 if workers == 3 else common.GLOBAL_BATCH
-    tasks = cluster(workers)
-    names = [f"worker:{i}" for i in range(workers)]
-    tasks.start([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
-                 f"--sync_every={sync_every}", f"--communication={communication}",
-                 f"--global_batch={batch}"]
-                + ([f"--compression={compression}"] if compression else []))
-    assert tasks.wait(names, timeout=240) == [0] * workers, tasks.output()[-4000:]
+    args = ([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
+             f"--sync_every={sync_every}", f"--communication={communication}",
+             f"--global_batch={batch}", f"--optimizer={optimizer}"]
+            + ([f"--compression={compression}"] if compression else [])
+            + ([f"--shard={shard}"] if shard else []))
+    if hosts > 1:
+        code, output = run_in_own_session(
+            [sys.executable, "-m", "tfpar.cli.launch", f"--hosts={hosts}",
+             f"--workers={workers}", "--timeout=220", "--", sys.executable, *args], 240)
+        assert code == 0, output[-4000:]
+        assert ("simulated hosts: host 0 at 10.77.1.1: worker:0; host 1 at 10.77.1.2: "
+                "worker:1") in output, output[-4000:]
+    else:
+        tasks = cluster(workers)
+        tasks.start(args)
+        names = [f"worker:{i}" for i in range(workers)]
+        assert tasks.wait(names, timeout=240) == [0] * workers, tasks.output()[-4000:]
     results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(workers)]
     options = f", compression={compression!r}" if compression else ""
     options += f", sync_every={sync_every}" if sync_every > 1 else ""
+    options += f", shard={shard!r}" if shard else ""
     wire = "ring" if communication == "auto" else communication
     for result in results:
         assert result["strategy"] == (f"DataParallelStrategy(workers={workers}, "
@@ -80,12 +101,16 @@ def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, co
     for other in weights[1:]:
         for w0, w1 in zip(weights[0], other):
             np.testing.assert_array_equal(w0, w1)
-    want = _single_process_weights(2, examples, global_batch=batch)
+    want = _single_process_weights(2, examples, optimizer, global_batch=batch)
     if sync_every > 1:
         summed = want  # Plain data parallelism's: the averaging is another rule.
         want = _single_process_weights(2, examples, strategy=tfpar.DataParallelStrategy(
             ["/cpu:0", "/cpu:1"], sync_every=sync_every))
         assert max(float(np.abs(g - w).max()) for g, w in zip(want, summed)) > 1e-3
+    if optimizer.endswith("_ema"):  # The averages were taken: not the last step's weights.
+        last = _single_process_weights(2, examples, optimizer.removesuffix("_ema"),
+                                       global_batch=batch)
+        assert max(float(np.abs(g - w).max()) for g, w in zip(want, last)) > 1e-3
     tolerance = 1e-3 if compression else 1e-5
     for got, expected in zip(weights[0], want):
         np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance)

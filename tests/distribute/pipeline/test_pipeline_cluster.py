@@ -156,14 +156,21 @@ HYBRID_LAYOUTS = {"zero3": "2,2,1,parameters", "tp_zero1": "2,1,2,optimizer"}
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
     """Runs hybrid_chief.py (the Megatron MLP, Adam, 2 epochs against one device) under
-    `tfpar launch --workers=4 --coordinator`, once for both layouts; {name: its results}."""
+    `tfpar launch --workers=4 --coordinator --hosts=2`, once for both layouts; {name: its
+    results}. Two simulated hosts (network namespaces, an address each, a virtual link):
+    the chief and workers 0-1 on the first, workers 2-3 on the second, so each stage's
+    replicas (tasks s and 2 + s) reduce and gather across the hosts' link, and each
+    replica's stages (or tensor-parallel halves) talk inside a host."""
     out = tmp_path_factory.mktemp("hybrids") / "result.json"
-    command = [PY, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator", "--timeout=200",
+    command = [PY, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator", "--hosts=2",
+               "--timeout=200",
                "--", PY, HYBRID_CHIEF, f"--out={out}",
                f"--layouts={';'.join(HYBRID_LAYOUTS.values())}"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=260,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert run.returncode == 0, run.stdout[-4000:]
+    assert ("simulated hosts: host 0 at 10.77.1.1: chief:0, worker:0, worker:1; host 1 at "
+            "10.77.1.2: worker:2, worker:3") in run.stdout, run.stdout[-4000:]
     results = dict(zip(HYBRID_LAYOUTS, json.loads(out.read_text())))
     for result in results.values():
         assert result["moved"] > 1e-3  # Training changed the weights: the comparison can tell.
