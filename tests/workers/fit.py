@@ -49,11 +49,30 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=comm
     if model_dir and strategy.cluster_resolver.task_id == 0:
         model.save(os.path.join(model_dir, "model.keras"))
     np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+    group_sizes = _all_reduce_group_sizes(strategy)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump({"epochs_run": len(history.history["loss"]), "loss": loss,
                    "predictions_shape": list(predictions.shape),
                    "iterations": int(model.optimizer.iterations.numpy()),
-                   "strategy": repr(strategy)}, f)
+                   "strategy": repr(strategy), "all_reduce_group_sizes": group_sizes}, f)
+
+
+def _all_reduce_group_sizes(strategy):
+    """The group sizes of the collectives that sum a replica's tensor, read in the traced
+    all-reduce (which every worker then runs): the workers' count for TensorFlow's ring,
+    smaller groups for tfpar's halving-doubling pairs or hierarchy."""
+    import tensorflow as tf
+
+    @tf.function
+    def all_reduce():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.ones([64])))
+
+    graph = all_reduce.get_concrete_function().graph
+    sizes = {int(tf.get_static_value(op.inputs[1])) for op in graph.get_operations()
+             if op.type in ("CollectiveReduceV2", "CollectiveGatherV2")}
+    all_reduce()
+    return sorted(sizes)
 
 
 if __name__ == "__main__":

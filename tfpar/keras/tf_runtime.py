@@ -110,10 +110,11 @@ def update_context(device):
 
 
 def collective_implementation(communication):
-    """TensorFlow's `CommunicationImplementation` for "ring" or "nccl"."""
+    """TensorFlow's `CommunicationImplementation` for "ring", "nccl" or "auto"."""
     implementations = internals.symbol(
         "tensorflow.python.distribute.collective_util.CommunicationImplementation")
-    return {"ring": implementations.RING, "nccl": implementations.NCCL}[communication]
+    return {"ring": implementations.RING, "nccl": implementations.NCCL,
+            "auto": implementations.AUTO}[communication]
 
 
 def collective_options(**options):

@@ -37,9 +37,10 @@ PACKING = (RING, HALVING_DOUBLING)
 CPU_DEFAULT = REDUCE_TO_ONE
 
 
-# Across workers only collectives can reduce: NCCL on GPUs, the ring elsewhere, or pairs
-# of replicas by halving-doubling.
-MULTI_WORKER = (AUTO, NCCL, RING, HALVING_DOUBLING)
+# Across workers only collectives can reduce: NCCL on GPUs, the ring elsewhere, pairs of
+# replicas by halving-doubling, or hierarchically over hosts (`tfpar.plan.host_hierarchy`:
+# within each host, then one slice per replica across the hosts).
+MULTI_WORKER = (AUTO, NCCL, RING, HALVING_DOUBLING, HIERARCHICAL)
 
 
 def select_communication(requested, device_types, multi_worker=False, physical_gpus=None):
@@ -122,13 +123,14 @@ def check_compression(compression, shard=None):
     return compression
 
 
-def check_sharded_communication(communication, shard):
+def check_sharded_communication(communication, shard, multi_worker=False):
     """`communication` unless ZeRO (`shard`) cannot reduce with it: a ValueError then.
 
     >>> check_sharded_communication("ring", "optimizer")
     'ring'
     """
-    if shard and communication == HALVING_DOUBLING:
+    if shard and (communication == HALVING_DOUBLING
+                  or (communication == HIERARCHICAL and multi_worker)):
         raise ValueError(
             f"communication={communication!r} with shard={shard!r} is not supported yet: "
             f"ZeRO reduces its gradient buckets itself. Use communication='auto' or 'ring' "

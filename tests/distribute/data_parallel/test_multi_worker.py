@@ -56,12 +56,14 @@ def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
 # of 136 examples split over 3 replicas: it must split, not hang). ZeRO-3 with a recipe
 # that keeps moving averages (AdamW, weight decay, global clipping, use_ema overwriting the
 # weights every 3 steps): each average on its weight's owner worker, every worker's weights
-# the averages at the end of fit, as one process. The plain and ZeRO-3 cases run on 2
-# simulated hosts (`tfpar launch --hosts=2`: a network namespace and an address each, a
-# virtual link between them), so their collectives cross a network interface.
+# the averages at the end of fit, as one process. Two cases run on 2 simulated hosts
+# (`tfpar launch --hosts=2`: a network namespace and an address each, a virtual link
+# between them), so their collectives cross a network interface: 4 workers summing
+# hierarchically (within each host, then one slice per worker across the hosts), and
+# ZeRO-3.
 @pytest.mark.parametrize("workers, examples, compression, sync_every, communication, shard, "
                          "optimizer, hosts", [
-                             (2, 128, None, 1, "auto", None, "sgd", 2),
+                             (4, 128, None, 1, "hierarchical", None, "sgd", 2),
                              (3, 136, None, 1, "halving_doubling", None, "sgd", 1),
                              (2, 128, "fp16", 1, "auto", None, "sgd", 1),
                              (2, 128, None, 3, "auto", None, "sgd", 1),
@@ -79,8 +81,11 @@ def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, co
             [sys.executable, "-m", "tfpar.cli.launch", f"--hosts={hosts}",
              f"--workers={workers}", "--timeout=220", "--", sys.executable, *args], 240)
         assert code == 0, output[-4000:]
-        assert ("simulated hosts: host 0 at 10.77.1.1: worker:0; host 1 at 10.77.1.2: "
-                "worker:1") in output, output[-4000:]
+        half = workers // 2
+        assert ("simulated hosts: host 0 at 10.77.1.1: "
+                + ", ".join(f"worker:{i}" for i in range(half)) + "; host 1 at 10.77.1.2: "
+                + ", ".join(f"worker:{i}" for i in range(half, workers))) in output, \
+            output[-4000:]
     else:
         tasks = cluster(workers)
         tasks.start(args)
@@ -97,6 +102,11 @@ def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, co
         assert result["epochs_run"] == 2
         assert result["iterations"] == 2 * -(-examples // batch)
         assert result["predictions_shape"] == [examples, 3]
+        # TensorFlow's ring sums in one group of every worker; tfpar's halving-doubling in
+        # pairs; the hierarchy in groups of a host's workers and of one worker per host.
+        assert result["all_reduce_group_sizes"] == (
+            [workers] if wire == "ring" else [2] if wire == "halving_doubling"
+            else sorted({workers // hosts, hosts})), result
     weights = [list(np.load(tmp_path / f"worker-{i}.npz").values()) for i in range(workers)]
     for other in weights[1:]:
         for w0, w1 in zip(weights[0], other):

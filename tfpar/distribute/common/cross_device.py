@@ -3,22 +3,34 @@
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.distribute.common import pair_exchanges
+from tfpar.distribute.common import hierarchical_reduce, pair_exchanges
 from tfpar.keras import tf_runtime
 from tfpar.plan import communication as comm
+from tfpar.plan import host_hierarchy
 
 
 def install_launchers(ops, num_replicas, collective_keys, options, first_replica,
-                      key_base=None):
+                      route=None):
     """Gives TensorFlow's collective all-reduce `ops` (this process's replicas, the first of
     them replica `first_replica` of `num_replicas`) tfpar's launchers: the timeout of
     `options` on the first collective of each traced function only
-    (`tf_runtime.replace_launchers`), and with `key_base` (the strategy's group keys) dense
-    all-reduces by halving-doubling."""
-    tf_runtime.replace_launchers(
-        ops, num_replicas, collective_keys, options, first_replica,
-        None if key_base is None else pair_exchanges.Exchanges(num_replicas, key_base))
+    (`tf_runtime.replace_launchers`), and with `route` (`routed_all_reduce`) dense
+    all-reduces its way."""
+    tf_runtime.replace_launchers(ops, num_replicas, collective_keys, options, first_replica,
+                                 route)
     return ops
+
+
+def routed_all_reduce(communication, num_replicas, key_base, host_of_rank=None):
+    """How a strategy's replicas' dense all-reduces go when tfpar carries them out itself:
+    halving-doubling's pairs (`pair_exchanges.Exchanges`), the three steps over hosts
+    (`hierarchical_reduce.HostHierarchy`, with each replica's host in `host_of_rank`), or
+    None: TensorFlow's collective."""
+    if communication == comm.HALVING_DOUBLING:
+        return pair_exchanges.Exchanges(num_replicas, key_base)
+    if communication == comm.HIERARCHICAL and host_of_rank is not None:
+        return hierarchical_reduce.HostHierarchy(host_hierarchy.plan(host_of_rank), key_base)
+    return None
 
 
 def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0,
@@ -47,7 +59,7 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
         return install_launchers(
             tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys),
             len(devices), collective_keys, tf_runtime.ring_options(bytes_per_pack), 0,
-            key_base)
+            routed_all_reduce(communication, len(devices), key_base))
     if devices_lib.spans_tasks(devices):
         if communication not in comm.MULTI_WORKER:
             raise ValueError(f"Devices of several processes reduce by collectives only, not "

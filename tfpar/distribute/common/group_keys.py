@@ -60,6 +60,22 @@ def pairs_fit(num_replicas):
     return num_replicas * (num_replicas - 1) // 2 <= _PAIR_KEYS
 
 
+# Below the broadcast key: the groups of a hierarchical all-reduce across hosts
+# (`tfpar.distribute.common.hierarchical_reduce`), one per host and one per index of a
+# replica on its host, clear of TensorFlow's own (numbered up from the bottom: one per
+# device group the strategy reduces over).
+_HIERARCHY_KEYS = 100
+
+
+def hierarchy_key(key_base, index):
+    """The group key of the `index`-th group of the hierarchical all-reduce of the strategy
+    at `key_base` (hosts first, then the groups across hosts)."""
+    if not 0 <= index < _HIERARCHY_KEYS:
+        raise ValueError(f"A hierarchical all-reduce has group keys for {_HIERARCHY_KEYS} "
+                         f"groups (hosts plus replicas per host); this needs group {index}.")
+    return key_base + _PAIR_KEYS - _HIERARCHY_KEYS + index
+
+
 def pair_key(key_base, first, second, num_replicas):
     """The group key of replicas `first` < `second` (of `num_replicas`) in the block at
     `key_base` (`pairs_fit(num_replicas)` must hold)."""

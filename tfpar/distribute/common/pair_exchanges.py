@@ -14,13 +14,10 @@ takes it.)
 """
 
 import collections
-import threading
-import weakref
 
 import tensorflow as tf
 
-from tfpar.distribute.common import group_keys
-from tfpar.keras import tf_runtime
+from tfpar.distribute.common import collective_positions, group_keys
 from tfpar.plan import halving_doubling as steps_lib
 
 
@@ -35,33 +32,10 @@ class Exchanges:
         self.doubling_bytes = (steps_lib.DOUBLING_BYTES if doubling_bytes is None
                                else doubling_bytes)
         self._key_base = key_base
-        self._lock = threading.Lock()
-        # Per traced function, how many collectives each (group, device) made so far.
-        self._positions = weakref.WeakKeyDictionary()
-        self._keys = {}  # group -> {(position, elements, dtype, collective): instance key}
+        self._instance_keys = collective_positions.InstanceKeys()
 
     def algorithm_for(self, nbytes):
         return steps_lib.choose(nbytes, self.world, self.doubling_bytes)
-
-    def _instance_key(self, group, device, signature, in_call):
-        """The instance key of this replica's next collective in `group`, about a buffer of
-        `signature` (elements, dtype, collective): the same for the same position in a
-        traced function (in eager: in the all-reduce, `in_call` counting) and the same
-        signature, so that each key keeps one shape and TensorFlow resolves it once, not
-        at every call. Workers that trace at different times agree (a worker whose last
-        batch kept its shape does not retrace where the others do: the gradients' buffers
-        are the same)."""
-        with self._lock:
-            in_call[group] += 1
-            if tf.inside_function():
-                counts = self._positions.setdefault(tf_runtime.outermost_function_graph(),
-                                                    collections.Counter())
-                counts[group, device] += 1
-                position = counts[group, device]
-            else:  # Eager: one all-reduce runs before the next starts on this device.
-                position = -in_call[group]
-            keys = self._keys.setdefault(group, {})
-            return keys.setdefault((position, *signature), len(keys) + 1)
 
     def _group(self, me, partner):
         lower, gap = min(me, partner), abs(me - partner)
@@ -82,7 +56,7 @@ class Exchanges:
     def _common(self, me, partner, device, timeout, token, signature, in_call):
         group = self._group(me, partner)
         return dict(group_size=2, group_key=group,
-                    instance_key=self._instance_key(group, device, signature, in_call),
+                    instance_key=self._instance_keys.next(group, device, signature, in_call),
                     ordering_token=token, communication_hint="auto", timeout_seconds=timeout)
 
     @staticmethod

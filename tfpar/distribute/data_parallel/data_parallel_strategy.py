@@ -10,7 +10,8 @@ from tfpar.distribute.common import device_memory as memory
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
-from tfpar.distribute.common.cross_device import install_launchers, make_cross_device_ops
+from tfpar.distribute.common.cross_device import (install_launchers, make_cross_device_ops,
+                                                 routed_all_reduce)
 from tfpar.distribute.data_parallel import local_sgd, multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
@@ -27,7 +28,7 @@ from tfpar.keras import zero_optimizers as keras_sharded
 from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
-from tfpar.plan.communication import (COMMUNICATIONS, HALVING_DOUBLING, PACKING,
+from tfpar.plan.communication import (COMMUNICATIONS, PACKING,
                                       check_bytes_per_pack, check_compression,
                                       check_sharded_communication, select_communication)
 
@@ -48,7 +49,11 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         CPU path measured: "reduce_to_one"), "nccl", "ring", "reduce_to_one",
         "hierarchical" or "halving_doubling" (replicas exchange in pairs: log2(n)
         steps for buffers up to 64 KiB, 2 log2(n) above, where a ring takes 2 (n-1);
-        `tfpar.plan.halving_doubling`; not with `shard` yet).
+        `tfpar.plan.halving_doubling`; not with `shard` yet). Across workers,
+        "hierarchical" sums within each host, then one slice per replica across the
+        hosts, then puts the slices together within each host (`tfpar.plan.host_hierarchy`;
+        a host is the host part of a task's address; as many replicas on every host; not
+        with `shard` yet); on one host it is TensorFlow's `HierarchicalCopyAllReduce`.
       bytes_per_pack: for ring and halving-doubling all-reduce, pack gradients into chunks of about
         this many bytes (0: one collective per gradient). None: 0 on one host
         (packing measured no gain there), 4 MiB across workers (measured ~15%
@@ -149,7 +154,9 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self._tfpar_shard_stage = sharding.check_shard(shard)
         self.shard = shard
         self.compression = check_compression(compression, shard)
-        check_sharded_communication(communication, shard)
+        check_sharded_communication(
+            communication, shard,
+            multi_worker=isinstance(self, tf.distribute.MultiWorkerMirroredStrategy))
         self.sync_every = local_sgd.check_sync_every(sync_every, shard, compression)
         self.sync_optimizer_state = bool(sync_optimizer_state)
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
@@ -355,11 +362,14 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         extended = multi_worker.MultiWorkerExtended(
             self, cluster_resolver=self._dp_cluster_resolver,
             communication_options=self._worker_options)
+        replicas = tf_runtime.num_replicas_in_sync(extended)
         install_launchers(
-            tf_runtime.cross_device_ops(extended), tf_runtime.num_replicas_in_sync(extended),
+            tf_runtime.cross_device_ops(extended), replicas,
             tf_runtime.collective_keys(extended), self._worker_options,
             tf_runtime.first_local_replica(extended),
-            self._collective_key_base if self.communication == HALVING_DOUBLING else None)
+            routed_all_reduce(self.communication, replicas, self._collective_key_base,
+                              multi_worker.hosts_of_replicas(self._dp_cluster_resolver,
+                                                             replicas)))
         return extended
 
     def _install_keras_hooks(self):

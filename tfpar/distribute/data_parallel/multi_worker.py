@@ -11,14 +11,16 @@ from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import zero_owners
 from tfpar.keras import internals
 from tfpar.keras import tf_runtime
-from tfpar.plan.communication import HALVING_DOUBLING, NCCL, RING
+from tfpar.plan import host_hierarchy
+from tfpar.plan.communication import AUTO, HALVING_DOUBLING, HIERARCHICAL, NCCL, RING
 
 
 def implementation(communication):
     """TensorFlow's collective implementation for "nccl" or "ring" (and for what
-    "halving_doubling" leaves to TensorFlow: sparse values, gathers, broadcasts)."""
+    "halving_doubling" and "hierarchical" leave to TensorFlow: sparse values, gathers,
+    broadcasts; "auto" for the latter, NCCL's on GPUs)."""
     return tf_runtime.collective_implementation(
-        {NCCL: "nccl", RING: "ring", HALVING_DOUBLING: "ring"}[communication])
+        {NCCL: "nccl", RING: "ring", HALVING_DOUBLING: "ring", HIERARCHICAL: AUTO}[communication])
 
 
 # Packing gradients into ~4 MiB collectives cut the 2-worker step time by ~15%
@@ -54,6 +56,15 @@ class Peers:
                           for i, address in enumerate(config.cluster.get(job, ()))}
         self.me = config.task_name
         self.peers = [name for name in self.addresses if name != self.me]
+
+
+def hosts_of_replicas(cluster_resolver, num_replicas):
+    """The host of each of the cluster's `num_replicas` replicas, in TensorFlow's order of
+    its collective ranks (the chief's, then each worker's, the same count on each task): the
+    host part of its task's address."""
+    config = cluster_config(cluster_resolver)
+    addresses = [a for job in ("chief", "worker") for a in config.cluster.get(job, ())]
+    return host_hierarchy.hosts_of_tasks(addresses, num_replicas // len(addresses))
 
 
 def cluster_worker_count(cluster_resolver=None):
