@@ -89,7 +89,7 @@ def bytes_sent(nbytes, hosts, per_host):
     steps 1 and 3), and a ring of its slice across the hosts (step 2).
 
     >>> bytes_sent(1200, 2, 2)
-    1800.0
+    3000.0
     """
     within = 2 * (per_host - 1) / per_host * nbytes
     across = 2 * (hosts - 1) / hosts * nbytes / per_host
