@@ -475,6 +475,12 @@ else:
         except OSError:
             time.sleep(0.1)
 print("TASK", me, "AT", ip, "LOCAL", ",".join(local), flush=True)
+if me == 0:  # Host 0's ends of the links, as tc shows them.
+    import subprocess
+    for link in ("tfpar1", "tfpar2"):
+        shown = subprocess.run(["tc", "qdisc", "show", "dev", link], capture_output=True,
+                               text=True).stdout.split()
+        print("LINK", link, "RATE", shown[shown.index("rate") + 1], flush=True)
 """
 
 
@@ -482,9 +488,10 @@ print("TASK", me, "AT", ip, "LOCAL", ",".join(local), flush=True)
 def test_simulated_hosts_give_tasks_their_own_addresses_joined_by_a_link():
     """`--hosts 3`: each host a network namespace with an address of its own; the workers
     in blocks over them (2, 1, 1 of 4). A task can bind its own host's address only, and
-    reaches the others' over the virtual links (host 1 through host 0)."""
+    reaches the others' over the virtual links (host 1 through host 0), which send at most
+    `--link_mbit`."""
     done = subprocess.run([PY, "-m", "tfpar.cli.launch", "--hosts=3", "--workers=4",
-                           "--timeout=60", "--", PY, "-c", _HOST_PROBE],
+                           "--link_mbit=500", "--timeout=60", "--", PY, "-c", _HOST_PROBE],
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -492,6 +499,8 @@ def test_simulated_hosts_give_tasks_their_own_addresses_joined_by_a_link():
             "10.77.1.2: worker:2; host 2 at 10.77.2.2: worker:3") in out, out
     for index, ip in enumerate(["10.77.1.1", "10.77.1.1", "10.77.1.2", "10.77.2.2"]):
         assert f"[worker:{index}] TASK {index} AT {ip} LOCAL {ip}\n" in out, out
+    assert "[worker:0] LINK tfpar1 RATE 500Mbit" in out and \
+        "[worker:0] LINK tfpar2 RATE 500Mbit" in out, out
     # The first connection to reach the last worker came over a link (from host 0 or 1).
     assert re.search(r"\[worker:3\] HEARD worker[012] FROM 10\.77\.[12]\.[12]\n", out), out
 
@@ -499,7 +508,10 @@ def test_simulated_hosts_give_tasks_their_own_addresses_joined_by_a_link():
 def test_simulated_hosts_are_refused_with_what_cannot_go_with_them():
     for flags, message in ((["--hosts=2", "--network=host"], "drop --network=host"),
                            (["--hosts=2", "--host=10.0.0.5"], "cannot be given with it"),
-                           (["--hosts=0"], "--hosts must be an integer from 1 to 250")):
+                           (["--hosts=0"], "--hosts must be an integer from 1 to 250"),
+                           (["--link_mbit=100"], "--link_mbit limits the links between "
+                                                 "simulated hosts: give --hosts too"),
+                           (["--hosts=2", "--link_mbit=-1"], "--link_mbit must be a rate")):
         done = subprocess.run([PY, "-m", "tfpar.cli.launch", *flags, "--", PY, "-c", "0"],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)

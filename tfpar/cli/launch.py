@@ -99,6 +99,10 @@ flags.DEFINE_integer("hosts", 1,
                      "workers are split over them in blocks (the chief, tf.data service on "
                      "the first), so collectives between hosts cross a network interface. "
                      "Linux, iproute2's `ip`; implies --network=private.")
+flags.DEFINE_float("link_mbit", None,
+                   "With --hosts: each end of a link between simulated hosts sends at most "
+                   "this many Mbit/s (tc's token bucket), as a network card does; default: "
+                   "as fast as memory.")
 flags.DEFINE_bool("slurm", False,
                   "Run the command as this Slurm task (under srun), with the TF_CONFIG that "
                   "TensorFlow's SlurmClusterResolver builds from the Slurm environment.")
@@ -154,7 +158,8 @@ def main(argv):
                             timeout_seconds=FLAGS.timeout or None,
                             coordinator=FLAGS.coordinator, memory_cap=memory_cap,
                             memory_cap_jobs=FLAGS.memory_cap_jobs,
-                            gpus_per_task=FLAGS.gpus_per_task, hosts=FLAGS.hosts)
+                            gpus_per_task=FLAGS.gpus_per_task, hosts=FLAGS.hosts,
+                            link_mbit=FLAGS.link_mbit)
     except (ValueError, OSError) as error:
         print(f"tfpar launch: {error}", file=sys.stderr)
         return 2

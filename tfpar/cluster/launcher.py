@@ -316,13 +316,15 @@ class Launcher:
         namespace each, with its own address, joined by virtual links; this process must
         be in its private network, `network.enter_private_network`): the tasks are split
         over them (`hosts_of_tasks`), each bound to and reached at its host's address.
+      link_mbit: with `hosts`, each end of a link between hosts sends at most this many
+        Mbit/s (None: as fast as memory).
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  server_command=SERVER_COMMAND, env=None, output=None, report_seconds=60.0,
                  max_restarts=0, data_service=False, timeout_seconds=None, coordinator=False,
                  memory_cap=None, memory_cap_jobs=None, gpus_per_task=None, gpus=None,
-                 hosts=1):
+                 hosts=1, link_mbit=None):
         if not command:
             raise ValueError("No command to launch: give it after '--', e.g. "
                              "tfpar launch --workers 2 -- python train.py")
@@ -351,11 +353,14 @@ class Launcher:
         size = sum(n for _, n in jobs)
         self._hosts = None
         self._task_hosts = [0] * size  # The simulated host of each task, in job order.
+        if link_mbit is not None and hosts == 1:
+            raise ValueError("--link_mbit limits the links between simulated hosts: give "
+                             "--hosts too.")
         if hosts != 1:
             if not network.is_loopback(host):
                 raise ValueError(f"--hosts simulates hosts on this machine: --host={host} "
                                  f"cannot be given with it.")
-            self._hosts = network.SimulatedHosts(hosts)
+            self._hosts = network.SimulatedHosts(hosts, link_mbit)
             host = self._hosts.addresses[0]
             self._task_hosts = hosts_of_tasks(jobs, hosts)
         # Held until the run ends: also while a restarted worker starts again. (On simulated

@@ -137,18 +137,49 @@ def _join(path):
         os.close(fd)
 
 
+_CAP_NET_ADMIN = 12  # linux/capability.h
+_CAPABILITY_VERSION_3 = 0x20080522
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 47, 2  # linux/prctl.h
+
+
+def _keep_network_capability():
+    """In a child before exec: keeps CAP_NET_ADMIN through exec (an ambient capability).
+    The launcher has every capability in its user namespace, but a program it execs as a
+    user other than root there loses them: `ip` could then not make the hosts' links."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # (effective, permitted, inheritable) x 2 words
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed")
+    data[2] |= 1 << _CAP_NET_ADMIN
+    if libc.capset(header, data) != 0 or libc.prctl(
+            _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_NET_ADMIN, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot keep CAP_NET_ADMIN for `ip`: {os.strerror(errno)}")
+
+
+def _in_host(path):
+    """In a child before exec: on the host whose namespace is at `path` (None: here), with
+    CAP_NET_ADMIN kept for the program it runs."""
+    if path is not None:
+        _join(path)
+    _keep_network_capability()
+
+
 class SimulatedHosts:
     """`count` hosts on this machine, each a network namespace with its own address.
 
     Host 0 is this process's namespace (the launcher's private network, which it must be
     in: `enter_private_network`); each other host is a new namespace, kept by a sleeping
     process, joined to host 0 by a virtual ethernet link (iproute2's `ip`), with its own
-    loopback and a route to every other host through host 0. Tasks started with
+    loopback and a route to every other host through host 0; with `link_mbit`, each end of
+    a link sends at most that many Mbit/s (`tc`'s token bucket), as a network card does
+    (a virtual link alone is as fast as memory). Tasks started with
     `joiner(i)` as their pre-exec step run on host i: they bind and connect there, and
     reach the others' addresses over the links, as on separate machines.
     """
 
-    def __init__(self, count):
+    def __init__(self, count, link_mbit=None):
         import shutil
         import subprocess
 
@@ -156,6 +187,14 @@ class SimulatedHosts:
             raise ValueError(f"--hosts must be an integer from 1 to 250. Received: {count!r}")
         if count > 1 and shutil.which("ip") is None:
             raise OSError("simulated hosts need iproute2's `ip` command on the PATH")
+        if link_mbit is not None:
+            if isinstance(link_mbit, bool) or not isinstance(link_mbit, (int, float)) \
+                    or not link_mbit > 0:
+                raise ValueError(f"--link_mbit must be a rate in Mbit/s > 0. Received: "
+                                 f"{link_mbit!r}")
+            if count > 1 and shutil.which("tc") is None:
+                raise OSError("a link rate needs iproute2's `tc` command on the PATH")
+        self.link_mbit = link_mbit
         self.count = count
         self.addresses = [simulated_host_address(i) for i in range(count)] if count > 1 \
             else ["127.0.0.1"]
@@ -188,10 +227,14 @@ class SimulatedHosts:
             (net, ["ip", "link", "set", "eth0", "up"]),
             (net, ["ip", "route", "add", "default", "via", here]),
         ]
+        if self.link_mbit is not None:  # Each end sends at most the rate, as a real NIC.
+            shape = ["root", "tbf", "rate", f"{self.link_mbit:g}mbit", "burst", "256kb",
+                     "latency", "100ms"]
+            steps += [(None, ["tc", "qdisc", "add", "dev", f"tfpar{index}", *shape]),
+                      (net, ["tc", "qdisc", "add", "dev", "eth0", *shape])]
         for namespace, command in steps:
             done = subprocess.run(command, capture_output=True, text=True, timeout=30,
-                                  preexec_fn=None if namespace is None else
-                                  (lambda path=namespace: _join(path)))
+                                  preexec_fn=functools.partial(_in_host, namespace))
             if done.returncode != 0:
                 raise OSError(f"simulated host {index}: `{' '.join(command)}` failed: "
                               f"{done.stderr.strip()}")
