@@ -13,7 +13,8 @@ import tensorflow as tf
 import tfpar
 from tfpar.keras import internals
 
-from conftest import cpus, small_model, toy_data
+from conftest import cpus, small_model, tf_functions_in, toy_data
+from tfpar.viz.pipeline_trace import action_of_op
 # The data-parallel ZeRO tests' stages, loss, batch, optimizers and balanced model.
 from test_sharded import BATCH, LOSS, STAGES, _optimizer, balanced_memory_report
 
@@ -219,3 +220,52 @@ def test_an_optimizer_that_cannot_be_sharded_is_refused_before_any_step():
                                          r"Adafactor"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def _forward_reads(model):
+    """{(replica, micro-batch): ReadVariableOp nodes} of the forward actions of the traced
+    pipeline step that fit ran (named by action: `pipeline_r0/1F2/...`)."""
+    functions = [c for f in tf_functions_in(model.train_function)
+                 for c in f._list_all_concrete_functions()]
+    reads = {}
+    for concrete in functions:
+        for function in concrete.graph.as_graph_def().library.function:
+            for node in function.node_def:
+                found = action_of_op(node.name)
+                if node.op == "ReadVariableOp" and found and "F" in found[1]:
+                    micro_batch = int(found[1].split("F")[1])
+                    reads[found[0], micro_batch] = reads.get((found[0], micro_batch), 0) + 1
+    return reads
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_stage_3_reads_each_weight_from_its_owner_once_per_step_not_per_micro_batch(
+        remat, monkeypatch):
+    """Counted in the traced step (R=2, M=4): a replica's forward passes read the stage
+    variables in their first micro-batch only (its copies for the step), where they read
+    them in every micro-batch before, M x (R-1)/R of the stage's weights from the owners per
+    device and step. Equal to one device, with and without remat (whose rerun reads the
+    copies too)."""
+    from tfpar.distribute.pipeline import execution
+
+    counts = {}
+    for once in (True, False):
+        if not once:  # As before: every micro-batch reads the variables.
+            init = execution.TrainStep.__init__
+            monkeypatch.setattr(execution.TrainStep, "__init__", lambda self, *a, **k: init(
+                self, *a, **{**k, "copy_weights_once": False}))
+        strategy = tfpar.PipelineStrategy(cpus(4), num_micro_batches=4, num_replicas=2,
+                                          schedule="1f1b", shard="parameters", remat=remat)
+        x, y = toy_data(n=64)
+        with strategy.scope():
+            model = small_model()
+            model.compile(_optimizer("adam"), LOSS)
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        _check_equal(model, ("adam", f"1f1b remat={remat} once={once}"), "parameters")
+        counts[once] = _forward_reads(model)
+    variables = len(model.trainable_variables)
+    # Replica 0's actions (the other replica's ops carry its replica's name scope first):
+    # copies, every variable read once, at the first micro-batch of its stage.
+    assert counts[True] == {(0, 0): variables}, counts
+    # Before: read again in every micro-batch.
+    assert counts[False] == {(0, m): variables for m in range(4)}, counts

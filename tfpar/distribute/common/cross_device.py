@@ -61,7 +61,7 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
             len(devices), collective_keys, tf_runtime.ring_options(bytes_per_pack), 0,
             routed_all_reduce(communication, len(devices), key_base))
     if devices_lib.spans_tasks(devices):
-        if communication not in comm.MULTI_WORKER:
+        if communication not in (comm.NCCL, comm.RING):  # (TensorFlow's collectives.)
             raise ValueError(f"Devices of several processes reduce by collectives only, not "
                              f"{communication!r}: {', '.join(devices)}.")
         return tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys,

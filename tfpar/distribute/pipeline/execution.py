@@ -55,6 +55,7 @@ import contextlib
 import tensorflow as tf
 
 from tfpar.distribute.common.placed_call import placed_call
+from tfpar.distribute.pipeline import step_copies
 from tfpar.keras import models
 from tfpar.keras import replicas
 from tfpar.keras import steps
@@ -219,11 +220,22 @@ class TrainStep:
       replica: this replica's id; its actions are built in name scope `pipeline_r<id>`,
         e.g. `pipeline_r0/1F0/...` (their gradients: `gradient_tape/pipeline_r0/1F0/...`).
       num_replicas: how many pipeline replicas share the global batch.
+      copy_weights_once: read each chunk's trainable variables once per step, into copies on
+        its device that every micro-batch reads (pipeline x ZeRO-3, whose variables live on
+        one owner each).
     """
 
     def __init__(self, model, program, devices, schedule, remat, replica=0, num_replicas=1,
-                 offload_devices=None):
+                 offload_devices=None, copy_weights_once=False):
         self.model, self.program, self.devices = model, program, list(devices)
+        # Pipeline x ZeRO-3: each stage's weights read from their owners once per step, into
+        # copies every micro-batch reads (`step_copies`); {chunk: its copies} once taken.
+        self.copy_weights_once = copy_weights_once
+        self.copies = {}
+        if copy_weights_once:
+            for stage in program.stages:
+                for variable in stage.trainable_variables:
+                    step_copies.serve_from_copies(variable)
         self.schedule, self.remat = schedule, remat
         self.offload_devices = offload_devices
         self.replica, self.num_replicas = replica, num_replicas
@@ -420,12 +432,23 @@ class TrainStep:
             return self.program.optimizer_variables(self.model.trainable_weights)
         return list(self.program.stages[s].trainable_variables)
 
+    def _copies(self, s):
+        """Chunk s's copies of its weights for this step ({} unless `copy_weights_once`),
+        taken at its first forward."""
+        if not self.copy_weights_once:
+            return {}
+        if s not in self.copies:
+            self.copies[s] = step_copies.take_copies(
+                self.program.stages[s].trainable_variables, self.devices[s])
+        return self.copies[s]
+
     def _forward(self, action):
         s, m = action.stage, action.micro_batch
         with self._in_order(action):
+            copies = self._copies(s)  # (Before x arrives: the copy overlaps the wait.)
             x = _anchor(self.inputs[s][m])
-            with tf.control_dependencies(tensors_of(x)):  # The action starts when x is here.
-                if self.remat:
+            with tf.control_dependencies(tensors_of(x)), step_copies.reading_copies(copies):
+                if self.remat:  # (The action starts when x is here.)
                     states = [(v, tf.identity(v.value))
                               for v in self.program.stages[s].seed_variables]
                     y, targets = self._stage(action, x)
@@ -434,7 +457,7 @@ class TrainStep:
                     tape = tf.GradientTape()
                     self._tape_of_last_stage = tape
                     with tape:
-                        tape.watch(_floats(x))
+                        tape.watch(_floats(x) + list(copies.values()))
                         y, targets = self._stage(action, x)
                     self.kept[s][m] = (tape, x, targets)
         self._done(action, tensors_of(targets))
@@ -489,12 +512,14 @@ class TrainStep:
         """Chunk s's gradients for micro-batch m: sends the input's back; sums the
         variables' (B), or leaves them to W (I)."""
         s, m = action.stage, action.micro_batch
+        copies = self.copies.get(s, {})
         if self.remat:
             x, states = self.kept[s][m]
             x = _anchor(self._on_offload_device(s, x))  # The rerun starts now, not as soon as x exists.
             tape = tf.GradientTape()
-            with tape, models.stateless_scope(state_mapping=states, collect_losses=True):
-                tape.watch(_floats(x))
+            with tape, models.stateless_scope(state_mapping=states, collect_losses=True), \
+                    step_copies.reading_copies(copies):
+                tape.watch(_floats(x) + list(copies.values()))
                 _, targets = self._stage(action, x, rerun=True)
         else:
             tape, x, targets = self.kept[s][m]
@@ -510,7 +535,8 @@ class TrainStep:
         earlier = self._earlier_aux(m) if self.custom_loss and upstream is None else []
         graph = tf.compat.v1.get_default_graph()
         made_before = len(graph.get_operations())
-        grads = tape.gradient(targets, inputs + variables + earlier, output_gradients=seeds)
+        sources = [step_copies.copy_of(v, copies) for v in variables]  # (Read from there.)
+        grads = tape.gradient(targets, inputs + sources + earlier, output_gradients=seeds)
         if earlier:
             self._send_aux_gradients(m, grads[len(grads) - len(earlier):])
         sent = grads[:len(inputs)] + grads[len(grads) - len(earlier):] if earlier else (

@@ -509,9 +509,13 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         replica = replica_id()
         x, y, sample_weight = steps.unpack_x_y_sample_weight(data)
         devices = self.chunk_devices(replica)
+        # Stage 3: each replica reads a stage's weights from their owners once per step, not
+        # in every micro-batch. (Split variables under tensor parallelism: per micro-batch.)
         step = pipeline_exec.TrainStep(model, model._tfpar_pipeline, devices,
                                        self._schedule, self._remat, replica, len(self._grid),
-                                       offload_devices=self._offload_devices(devices))
+                                       offload_devices=self._offload_devices(devices),
+                                       copy_weights_once=(self._tfpar_shard_stage == 3
+                                                          and self._tensor_parallel == 1))
         versions = self._weight_versions(model)
         if versions is not None:
             versions.use_older(model.optimizer.iterations)
