@@ -17,7 +17,7 @@ Where the bytes concentrate: the chief also reads every TCP socket's bytes acked
 sets each task's sends against its role's formula (`device_step_bytes`: its stage and tensor
 rank; the chief's: the batch).
 
-    python benchmarks/hybrid_traffic.py [--steps 5] [--out FILE]
+    python benchmarks/hybrid_traffic.py [--steps 5] [--only TEXT] [--out FILE]
 
 The model is `benchmarks/hybrid.py`'s (8 x Dense(512) split Megatron's way under tensor
 parallelism, a 10-way head, Adam), global batch 256, 4 micro-batches, 1F1B.
@@ -146,7 +146,7 @@ def run_layout(layout, args):
                "--network=private", "--timeout=600", "--", sys.executable,
                os.path.abspath(__file__), f"--layout={layout}"] + [
         f"--{key}={value}" for key, value in vars(args).items()
-        if key not in ("out", "layout")]
+        if key not in ("out", "layout", "only")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=700)
     found = [line.split("RESULT ", 1)[1] for line in done.stdout.splitlines()
              if "RESULT " in line]
@@ -162,6 +162,8 @@ def main():
     parser.add_argument("--global_batch", type=int, default=256)
     parser.add_argument("--micro_batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", default=None,
+                        help="run the layouts whose name contains this text (e.g. ZeRO)")
     parser.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "hybrid_traffic.json"))
@@ -176,6 +178,8 @@ def main():
           f"{'data':>6s} {'pipe':>6s} {'model':>6s} {'inputs':>6s}")
     rows = {}
     for layout in LAYOUTS:
+        if args.only and args.only not in layout:
+            continue
         result = run_layout(layout, args)
         formula = result["formula"]
         total = sum(formula.values())

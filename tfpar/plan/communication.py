@@ -187,7 +187,10 @@ def device_step_bytes(gradient_bytes, boundary_bytes, stage=0, num_replicas=1, n
     `layout_step_bytes`). Its share of its stage's gradients (an even K x T-th of one
     copy's) in a ring over the R replicas; on a stage's first device (rank 0), each
     micro-batch's activation to the next stage and its gradient to the previous one (none
-    past either end); its tensor-parallel pairs' all-reduces.
+    past either end); its tensor-parallel pairs' all-reduces. Under ZeRO-3 a pipeline
+    replica reads its stage's weights from their owners once per step (not per layer and
+    again in the backward, as data parallelism does): the bytes of ZeRO-1, a reduce-scatter
+    and an all-gather.
 
     >>> device_step_bytes(1000, 10, stage=0, num_replicas=2, num_stages=2, num_micro_batches=4)
     {'data': 500.0, 'pipe': 40, 'model': 0}
@@ -196,7 +199,8 @@ def device_step_bytes(gradient_bytes, boundary_bytes, stage=0, num_replicas=1, n
     if not 0 <= stage < k:
         raise ValueError(f"stage must be in [0, {k}). Received: {stage!r}")
     neighbours = (stage > 0) + (stage < k - 1) if rank == 0 else 0
-    return {"data": data_parallel_bytes(gradient_bytes / (k * t), r, zero_stage) if r > 1 else 0,
+    return {"data": data_parallel_bytes(gradient_bytes / (k * t), r, min(zero_stage, 1))
+            if r > 1 else 0,
             "pipe": neighbours * m * boundary_bytes,
             "model": tensor_parallel_bytes(boundary_bytes, t, layer_pairs_per_stage, m)
             if t > 1 else 0}

@@ -248,10 +248,11 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         tf.distribute.Strategy.__init__(self, _PipelineExtended(
             self, self._grid, config.reduction_grid, config.replica_devices))
         # ZeRO over each stage's replicas: owners even out bytes per stage (the devices of
-        # a variable's copies); collectives through the stages' cross-device ops.
+        # a variable's copies); each gradient summed on its owner's device, each updated
+        # weight copied from there (this program drives every stage device).
         self._zero_bucket_bytes = sharding.DEFAULT_BUCKET_BYTES
         sharded.set_up(self, config.num_replicas,
-                       lambda: zero_collectives.ShardCollectives("all_reduce"),
+                       lambda: zero_collectives.ShardCollectives("placed"),
                        group_of=mirrored_placement.devices_of)
         self._install_keras_hooks()
 

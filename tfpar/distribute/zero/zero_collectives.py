@@ -37,7 +37,10 @@ class ShardCollectives:
     alone, each send a broadcast in a group of two replicas; "all_reduce" (CPUs of one host)
     has no reduce-scatter: gradients are all-reduced through the strategy's cross-device
     ops, each replica keeping its own. Except under "nccl" the all-gather goes through the
-    strategy.
+    strategy. "placed" (a pipeline's stage replicas, which one program drives on every
+    device, of this process or of workers): each gradient summed by an add on its owner's
+    device, each updated weight copied from its owner to the other copies, the bytes of a
+    reduce-scatter and an all-gather, each variable's own owner the root.
     (TensorFlow 2.21 has no CPU reduce-scatter: `CollectiveReduceScatterV2` with the
     ring hint times out, and the all-to-all ops either hang (V2) or cannot form a group
     across workers (V3); BUILD_NOTES.)
@@ -173,6 +176,41 @@ class ShardCollectives:
         if value is not None:
             return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
         return tf.raw_ops.CollectiveBcastRecvV2(shape=shape, T=dtype, **common)
+
+    def sum_on_owners(self, ctx, values, owner_devices):
+        """Each of `values` (this replica's) summed over the replicas on its owner's device
+        ("placed"): an add there of every replica's value, so each device receives the
+        (n-1)/n of the values it owns, as a reduce-scatter moves. Every replica gets the
+        list; each uses the sums it owns. (Built once, across replicas: a merge call.)"""
+        def sums(strategy, *per_replica):
+            out = []
+            for value, device in zip(per_replica, owner_devices):
+                with tf.device(device):
+                    out.append(tf.add_n(list(strategy.experimental_local_results(value))))
+            return out
+
+        return ctx.merge_call(sums, args=tuple(values))
+
+    def copy_from_owners(self, ctx, copies, owners):
+        """Every copy of each variable takes its owner's value ("placed"): `copies[k]` a
+        variable's copies in replica order, `owners[k]` its owner. Each non-owner copy
+        receives the owner's value once, the bytes of an all-gather. Read after the owners'
+        updates, which every replica made before this merge call (the same resources:
+        automatic control dependencies order them)."""
+        def share(strategy):
+            del strategy
+            for variable_copies, owner in zip(copies, owners):
+                # Read on the owner's device: `read_value` ends in an identity where it is
+                # made, and a merge call's default device is this program's (measured: the
+                # chief of a pipeline over workers sent every copy, 2x a worker's bytes).
+                with tf.device(variable_copies[owner].device):
+                    value = variable_copies[owner].read_value()
+                for replica, copy in enumerate(variable_copies):
+                    if replica != owner:
+                        with tf.device(copy.device):
+                            copy.assign(value, read_value=False)
+
+        ctx.merge_call(share)
 
     def all_gather(self, ctx, flat, n):
         if self.kind == "nccl":

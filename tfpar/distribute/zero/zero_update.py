@@ -170,7 +170,12 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
 
     def apply_and_share(owned, groups, dtype):
         _apply_owned(optimizer, owned, learning_rate, accumulation, updates)
-        if stage < 3 and across_workers:
+        if stage < 3 and collectives.kind == "placed":
+            shared = [i for group in groups for i in group]
+            collectives.copy_from_owners(
+                ctx, [strategy.experimental_local_results(variables[i]) for i in shared],
+                [owner[i] for i in shared])
+        elif stage < 3 and across_workers:
             _broadcast_updates(ctx, collectives, local, groups, ordinals, grads, broadcasts)
         elif stage < 3:
             _gather_updates(ctx, collectives, local, groups, dtype)
@@ -189,7 +194,7 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                     groups = _by_owner(members, [owner[i] for i in members],
                                        ctx.num_replicas_in_sync)
                     reduced, kept, sent = _own_gradients(ctx, collectives, stage, grads,
-                                                         variables, groups, ordinals)
+                                                         variables, groups, ordinals, devices)
                     transfers += [(i, sent[i]) for i in members if i in sent]
                     gradient_bytes += kept
                     owned = [(i, reduced[i], local[i]) for i in groups[me]]
@@ -225,10 +230,12 @@ def _update_groups(owners, variables):
                    f"tfpar_zero_{number}_" if devices else "tfpar_zero_")
 
 
-def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
+def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals,
+                   devices=None):
     """{variable index: summed gradient} for this replica's variables, the bytes of
     gradients the step keeps on the replica, and {variable index: the op that ends its
-    gradient's transfer} where each is sent to its owner alone."""
+    gradient's transfer} where each is sent to its owner alone. (`devices`: the group's
+    device of each replica, where "placed" collectives sum.)"""
     index = [i for g in groups for i in g]
     me = replica_in_sync()
     sent = {}  # {variable index: the op that ends its gradient's transfer} ("pairwise")
@@ -256,6 +263,12 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals):
             ctx, {ordinal[i]: grads[i] for i in ordinal}, owner_of)
         reduced.update({i: mine[ordinal[i]] for i in dense[me]})
         sent = {i: done[ordinal[i]] for group in dense for i in group}
+        kept += sum(num_bytes(variables[i]) for i in dense[me]) if stage > 1 else 0
+    elif collectives.kind == "placed" and any(dense):
+        flat = [(owner, i) for owner, group in enumerate(dense) for i in group]
+        sums = collectives.sum_on_owners(ctx, [grads[i] for _, i in flat],
+                                         [devices[owner] for owner, _ in flat])
+        reduced.update({i: total for (owner, i), total in zip(flat, sums) if owner == me})
         kept += sum(num_bytes(variables[i]) for i in dense[me]) if stage > 1 else 0
     elif any(dense):
         length = _bucket_length([[variables[i] for i in g] for g in dense])
