@@ -228,12 +228,16 @@ def run_sync(strategy, result):
 
     # Every loss reduction, with sample or class weights, a masked loss and a regularizer,
     # on batches that split 8 + 7 and 6 + 6: one device on the combined batch.
-    def make_case(scope_strategy, reduction, masked, batch_norm):
+    def make_case(scope_strategy, reduction, masked, batch_norm, optimizer=None, dense=False):
         keras.utils.set_random_seed(0)
         with scope_strategy.scope():
-            inputs = keras.Input((3,), dtype="int32")
-            hidden = keras.layers.Embedding(64, 8, mask_zero=masked)(inputs)
-            if not masked:
+            if dense:  # Dense gradients only (see `recipes`).
+                inputs = keras.Input((3,))
+                hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+            else:
+                inputs = keras.Input((3,), dtype="int32")
+                hidden = keras.layers.Embedding(64, 8, mask_zero=masked)(inputs)
+            if not masked and not dense:
                 hidden = keras.layers.Flatten()(hidden)
             if batch_norm:
                 hidden = keras.layers.BatchNormalization(momentum=0.8)(hidden)
@@ -242,7 +246,8 @@ def run_sync(strategy, result):
             case = keras.Model(inputs, outputs)
             # Each part normalizes by its own batch moments (as each replica does), so
             # with BatchNorm only its statistics are compared: a learning rate of 0.
-            case.compile(keras.optimizers.SGD(0.0 if batch_norm else 0.5),
+            case.compile(optimizer() if optimizer else
+                         keras.optimizers.SGD(0.0 if batch_norm else 0.5),
                          keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True, reduction=reduction), metrics=["accuracy"])
         return case
@@ -258,15 +263,36 @@ def run_sync(strategy, result):
              "masked, sample weights": ("mean_with_sample_weight", True,
                                         dict(sample_weight=np.stack([weights] * 3, 1))),
              "mixed_float16": ("sum_over_batch_size", False, {})}
+    # Recipes (the conformance suite's rows, tests/conformance): clipping and weight decay act
+    # on the global gradient, the moving averages follow every step, as on one device. On a
+    # model of dense layers: the parts' sparse gradients (an embedding's) are summed densely,
+    # and Keras clips and updates a sparse gradient row by row, repeated rows apart (the
+    # parameter-server guide's table says so).
+    # (SGD's sparse update adds repeated rows as a dense one does: weight decay on the
+    # partitioned embedding, which Keras' decay could not update.)
+    recipes = {"AdamW, global_clipnorm": lambda: keras.optimizers.AdamW(
+                   0.05, weight_decay=0.1, global_clipnorm=0.05),
+               "clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+               "clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.01),
+               "use_ema": lambda: keras.optimizers.Adam(0.05, use_ema=True,
+                                                        ema_overwrite_frequency=2),
+               "weight decay, partitioned embedding": lambda: keras.optimizers.SGD(
+                   0.5, weight_decay=0.05)}
+    sparse_recipes = ("weight decay, partitioned embedding",)
+    cases.update({name: ("sum_over_batch_size", False, dict(sample_weight=weights))
+                  for name in recipes})
     result["cases"] = {}
     for name, (reduction, masked, weighting) in cases.items():
         inputs, targets = (tokens, np.stack([y] * 3, 1)) if masked else (x, y)
+        if name in recipes and name not in sparse_recipes:
+            inputs = (x / 64.0).astype("float32")
         trained = []
         # Compiled under mixed_float16, the optimizer is a LossScaleOptimizer.
         keras.mixed_precision.set_global_policy(
             "mixed_float16" if name == "mixed_float16" else "float32")
         for scope_strategy in (strategy, tf.distribute.get_strategy()):
-            case = make_case(scope_strategy, reduction, masked, name == "batch norm")
+            case = make_case(scope_strategy, reduction, masked, name == "batch norm",
+                             recipes.get(name), name in recipes and name not in sparse_recipes)
             history = case.fit(inputs, targets, batch_size=15, epochs=2, shuffle=False,
                                verbose=0, **weighting)
             trained.append((case.get_weights(), history.history))

@@ -281,7 +281,9 @@ WRAPS = {
     ("BaseOptimizer", "_clip_gradients"): "deferred: tfpar clips the global gradient",
     ("TFOptimizer", "_overwrite_model_variables_with_average_value"):
         "EMA overwrite in replica context (Keras runs it in a cond)",
-    ("TFOptimizer", "_apply_weight_decay"): "ZeRO: each owner decays the variables it owns",
+    ("TFOptimizer", "_apply_weight_decay"): "ZeRO: each owner decays the variables it owns; "
+                                             "parameter servers: sharded variables decayed "
+                                             "shard by shard",
     ("LossScaleOptimizer", "_tf_apply"): "a step skipped when any replica overflows",
     ("TFOptimizer", "_distributed_tf_update_step"): "updates in turn; sharded ps updates",
     ("TFOptimizer", "_all_reduce_sum_gradients"): "gradients reduced where they are",

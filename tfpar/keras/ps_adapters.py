@@ -30,6 +30,7 @@ from tfpar.keras import losses
 from tfpar.keras import ps_state
 from tfpar.keras import replicas
 from tfpar.keras import steps
+from tfpar.keras import zero_optimizers
 
 
 def patches():
@@ -53,6 +54,7 @@ def patches():
         (optimizer, "add_variable_from_reference", _uncolocated_for_shards),
         (variable, "__array__", _sharded_as_array),
         (optimizer, "_distributed_tf_update_step", _sharded_updates_direct),
+        (optimizer, "_apply_weight_decay", _sharded_weight_decay_direct),
         *ps_state.patches(),
     ]
 
@@ -118,6 +120,20 @@ def _sharded_updates_direct(keras_method):
                                           if not _is_sharded(v)], learning_rate)
         for gradient, variable in sharded:
             self.update_step(gradient, variable, learning_rate)
+    return method
+
+
+def _sharded_weight_decay_direct(keras_method):
+    # Keras decays each variable inside an `extended.update`, which colocates the decay with
+    # its variable: a sharded one cannot be ("ShardedVariable doesn't support being used as
+    # a reference": AdamW with a partitioned embedding failed in sync mode). Its assign_sub
+    # places each shard's part.
+    @functools.wraps(keras_method)
+    def method(self, variables):
+        sharded = [v for v in variables if _is_sharded(getattr(v, "value", v))]
+        keras_method(self, [v for v in variables if not _is_sharded(getattr(v, "value", v))])
+        for variable in sharded:
+            zero_optimizers.decay(self, variable)
     return method
 
 

@@ -536,17 +536,25 @@ def _ema_overwritten_per_replica(keras_overwrite):
     (`ema_overwrite_frequency`), where its `extended.update` (a merge call) fails ("merge_call
     called while defining a new graph", stock MirroredStrategy too). The averages are the
     same on every replica, so each replica writes its own copies. (Under shard=..., the
-    owners already did in their step.)"""
+    owners already did in their step; under parameter servers each variable has one copy,
+    written directly.)"""
 
     @functools.wraps(keras_overwrite)
     def overwrite(self, trainable_variables):
         if zero_optimizers.done_by_owners(self):
             return None
+        averages = internals.attr(self, "_model_variables_moving_average")
+        if tf.distribute.has_strategy() and hooks_of(
+                tf.distribute.get_strategy())._tfpar_parameter_server:
+            # One copy of each variable, on the parameter servers (sharded ones too): a
+            # worker's step writes it, as it writes the update.
+            for variable, average in zip(trainable_variables, averages):
+                variable.assign(average)
+            return None
         context = replica_context("_tfpar_mirrored", min_replicas=1)
         if context is None:
             return keras_overwrite(self, trainable_variables)
         strategy, me = context.strategy, replica_id()
-        averages = internals.attr(self, "_model_variables_moving_average")
         for variable, average in zip(trainable_variables, averages):
             local = [strategy.experimental_local_results(models.tf_variable(v))[me]
                      for v in (variable, average)]

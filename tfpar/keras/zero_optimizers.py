@@ -37,7 +37,7 @@ class OwnerStep:
         return gradient_clipping.clip(self.optimizer, grads, sum_over_holders=sum_over_owners)
 
     def update_step(self, grad, variable, learning_rate):
-        _decay(self.optimizer, variable)
+        decay(self.optimizer, variable)
         self.optimizer.update_step(grad, variable, learning_rate)
 
     def after_step(self, variable):
@@ -104,8 +104,9 @@ def _finalized_by_owners(keras_finalize):
     return finalize
 
 
-def _decay(optimizer, variable):
-    """Keras' weight decay of `variable` (TFOptimizer._apply_weight_decay), here."""
+def decay(optimizer, variable):
+    """Keras' weight decay of `variable` (TFOptimizer._apply_weight_decay), here: under ZeRO
+    on its owner, under parameter servers on a sharded variable's shards."""
     if optimizer.weight_decay is None or not internals.attr(
             optimizer, "_use_weight_decay")(variable):
         return
