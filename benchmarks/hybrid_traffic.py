@@ -1,5 +1,5 @@
-"""Bytes each hybrid layout sends per training step across 4 worker processes, measured on
-the wire, against the Megatron/DeepSpeed formulas.
+"""Bytes each hybrid layout sends per training step across 4 (or 8) worker processes,
+measured on the wire, against the Megatron/DeepSpeed formulas.
 
 Each layout runs as a job of its own: `tfpar launch --workers 4 --coordinator` (a chief
 that runs the program, 4 workers that hold the stages, one CPU device each, all in a
@@ -17,7 +17,7 @@ Where the bytes concentrate: the chief also reads every TCP socket's bytes acked
 sets each task's sends against its role's formula (`device_step_bytes`: its stage and tensor
 rank; the chief's: the batch).
 
-    python benchmarks/hybrid_traffic.py [--steps 5] [--only TEXT] [--out FILE]
+    python benchmarks/hybrid_traffic.py [--workers 4|8] [--steps 5] [--only TEXT] [--out FILE]
 
 The model is `benchmarks/hybrid.py`'s (8 x Dense(512) split Megatron's way under tensor
 parallelism, a 10-way head, Adam), global batch 256, 4 micro-batches, 1F1B.
@@ -33,7 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from _common import command_line, hidden_mlp, write_json  # noqa: E402
 
-LAYOUTS = {  # name: (R, K, T, shard)
+LAYOUTS_BY_WORKERS = {}
+LAYOUTS = {  # name: (R, K, T, shard), over 4 worker processes
     "pipeline, K=4": (1, 4, 1, None),
     "pipeline K=2 x data R=2": (2, 2, 1, None),
     "pipeline K=2 x data R=2, ZeRO-1": (2, 2, 1, "optimizer"),
@@ -42,6 +43,16 @@ LAYOUTS = {  # name: (R, K, T, shard)
     "tensor T=2 x data R=2": (2, 1, 2, None),
     "tensor T=4": (1, 1, 4, None),
 }
+LAYOUTS_BY_WORKERS[4] = LAYOUTS
+LAYOUTS_BY_WORKERS[8] = {
+    "pipeline, K=8": (1, 8, 1, None),
+    "pipeline K=4 x data R=2": (2, 4, 1, None),
+    "pipeline K=2 x data R=4": (4, 2, 1, None),
+    "pipeline K=2 x data R=4, ZeRO-1": (4, 2, 1, "optimizer"),
+    "pipeline K=2 x data R=4, ZeRO-3": (4, 2, 1, "parameters"),
+    "pipeline K=2 x tensor T=2 x data R=2": (2, 2, 2, None),
+}
+ALL_LAYOUTS = {**LAYOUTS_BY_WORKERS[4], **LAYOUTS_BY_WORKERS[8]}
 
 
 def loopback_sent():
@@ -94,14 +105,14 @@ def measure(layout, args):
     """On the chief: trains the layout's strategy and returns its bytes per step."""
     import tfpar
 
-    tfpar.virtual_cpus(2)  # One per pipeline replica: each is fed from one.
+    r, k, t, shard = ALL_LAYOUTS[layout]
+    tfpar.virtual_cpus(max(2, r))  # One per pipeline replica: each is fed from one.
     import numpy as np
     import tensorflow as tf
 
     from tfpar.cli.train import megatron_layout_map
     from tfpar.plan import communication, sharding
 
-    r, k, t, shard = LAYOUTS[layout]
     strategy = tfpar.PipelineStrategy(
         num_replicas=r, num_stages=k, tensor_parallel=t, shard=shard, schedule="1f1b",
         num_micro_batches=args.micro_batches,
@@ -142,7 +153,8 @@ def measure(layout, args):
 
 def run_layout(layout, args):
     """Runs `layout` as a job of its own; returns what its chief measured."""
-    command = [sys.executable, "-m", "tfpar.cli.launch", "--workers=4", "--coordinator",
+    command = [sys.executable, "-m", "tfpar.cli.launch", f"--workers={args.workers}",
+               "--coordinator",
                "--network=private", "--timeout=600", "--", sys.executable,
                os.path.abspath(__file__), f"--layout={layout}"] + [
         f"--{key}={value}" for key, value in vars(args).items()
@@ -162,6 +174,8 @@ def main():
     parser.add_argument("--global_batch", type=int, default=256)
     parser.add_argument("--micro_batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=4, choices=sorted(LAYOUTS_BY_WORKERS),
+                        help="worker processes (each its set of layouts)")
     parser.add_argument("--only", default=None,
                         help="run the layouts whose name contains this text (e.g. ZeRO)")
     parser.add_argument("--layout", default=None, help=argparse.SUPPRESS)
@@ -173,11 +187,11 @@ def main():
         return
     mib = 1 << 20
     print(f"MLP {args.layers}x{args.width} + head, Adam, global batch {args.global_batch}, "
-          f"{args.micro_batches} micro-batches, 4 worker processes; MiB per step")
+          f"{args.micro_batches} micro-batches, {args.workers} worker processes; MiB per step")
     print(f"{'layout':34s} {'measured':>9s} {'formula':>8s} {'ratio':>6s}   "
           f"{'data':>6s} {'pipe':>6s} {'model':>6s} {'inputs':>6s}")
     rows = {}
-    for layout in LAYOUTS:
+    for layout in LAYOUTS_BY_WORKERS[args.workers]:
         if args.only and args.only not in layout:
             continue
         result = run_layout(layout, args)
