@@ -1,0 +1,92 @@
+"""The chief of the pipeline-checkpoint test, run by `tfpar launch --workers 2 --coordinator`
+(the workers serve the stages; this process runs the program):
+
+    python pipeline_checkpoint.py --out=DIR
+
+A 2-stage pipeline over the 2 worker processes trains 2 steps with Adam, then writes a
+`tf.train.Checkpoint` of the model and its optimizer to DIR/ckpt. Writes DIR/result.json:
+the bytes each process of the job wrote meanwhile (`/proc/<pid>/io`, the processes found by
+the TF_CONFIG in their environment), each stage's bytes of variables, and the largest
+difference between the pipeline's weights and optimizer state and those a plain Keras model
+on one device (this process, no strategy) reads back from the checkpoint.
+"""
+
+import glob
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import tfpar  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def _processes():
+    """{task name: pid} of this job's processes (by the TF_CONFIG in their environment)."""
+    found = {}
+    for directory in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(os.path.join(directory, "environ"), "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+            task = json.loads(env[b"TF_CONFIG"])["task"]
+        except (OSError, KeyError, ValueError):
+            continue
+        found[f"{task['type']}:{task['index']}"] = int(os.path.basename(directory))
+    return found
+
+
+def _written(pid):
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes"))
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((256,))]
+                             + [keras.layers.Dense(512, name=f"d{i}") for i in range(4)]
+                             + [keras.layers.Dense(10, name="out")])
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def main(out):
+    strategy = tfpar.PipelineStrategy(
+        num_stages=2, num_micro_batches=2, schedule="1f1b",
+        cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    with strategy.scope():
+        model = _model()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 256), dtype=np.float32)
+    y = (np.arange(32) % 10).astype("int32")
+    for _ in range(2):
+        model.train_on_batch(x, y)
+    by_stage = {}
+    for variable in model.weights + model.optimizer.variables:
+        device = variable.value.device
+        by_stage[device] = by_stage.get(device, 0) + int(np.prod(variable.shape)) * 4
+    pids = _processes()
+    before = {name: _written(pid) for name, pid in pids.items()}
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        os.path.join(out, "ckpt"))
+    os.sync()
+    written = {name: _written(pid) - before[name] for name, pid in pids.items()}
+    weights = model.get_weights()
+    state = [v.numpy() for v in model.optimizer.variables]
+    plain = _model()  # One device, no strategy.
+    plain.optimizer.build(plain.trainable_variables)
+    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(
+        weights + state, plain.get_weights() + [v.numpy() for v in plain.optimizer.variables]))
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"written": written, "stage_bytes": by_stage, "difference": difference,
+                   "moved": max(float(np.abs(a - b).max())
+                                for a, b in zip(weights, _model().get_weights()))}, f)
+
+
+if __name__ == "__main__":
+    main(dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])["out"])
