@@ -199,3 +199,28 @@ def two_stream_ceiling(rows, inner, outer, rounds, steps, devices=("/cpu:0", "/c
                 f().numpy()
             times[f].append(time.perf_counter() - start)
     return 2 * statistics.median(times[one]) / statistics.median(times[two])
+
+
+def all_reduce_functions(strategies, sizes, index):
+    """{(name, size): a tf.function that all-reduces a float32 buffer of `size` bytes in
+    replica context under strategies[name]}, each traced and checked once (every worker
+    calls this alike: each call is a collective). `index`: this worker's task index (its
+    replica's value is index + 1)."""
+    import tensorflow as tf
+
+    functions = {}
+    for name, strategy in strategies.items():
+        for size in sizes:
+            @tf.function
+            def reduce(strategy=strategy, elements=size // 4):
+                def replica_fn():
+                    value = tf.fill([elements], float(index + 1))
+                    return tf.distribute.get_replica_context().all_reduce(
+                        tf.distribute.ReduceOp.SUM, value)
+                return strategy.run(replica_fn)
+
+            want = sum(range(1, strategy.num_replicas_in_sync + 1))
+            got = float(strategy.experimental_local_results(reduce())[0][0])  # (Traced too.)
+            assert got == want, (name, size, got, want)
+            functions[name, size] = reduce
+    return functions

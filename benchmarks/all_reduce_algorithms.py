@@ -27,6 +27,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import all_reduce_functions, write_json  # noqa: E402
+
 OUTPUT = (lambda line: None) if not os.environ.get("BENCH_VERBOSE") else print
 ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling", "auto")
 
@@ -69,25 +71,9 @@ def worker(args):
     import tfpar
 
     tfpar.virtual_cpus(1, one_core_each=True)
-    import tensorflow as tf
-
     sizes = [int(s) for s in args.sizes.split(",")]
     strategies = {a: _strategy(a) for a in ALGORITHMS}
-    functions = {}
-    for algorithm, strategy in strategies.items():
-        for size in sizes:
-            @tf.function
-            def reduce(strategy=strategy, elements=size // 4):
-                def replica_fn():
-                    value = tf.fill([elements], float(index + 1))
-                    return tf.distribute.get_replica_context().all_reduce(
-                        tf.distribute.ReduceOp.SUM, value)
-                return strategy.run(replica_fn)
-
-            want = sum(range(1, strategy.num_replicas_in_sync + 1))
-            got = float(strategy.experimental_local_results(reduce())[0][0])  # (Traced too.)
-            assert got == want, (algorithm, size, got, want)
-            functions[algorithm, size] = reduce
+    functions = all_reduce_functions(strategies, sizes, index)
     # Each (algorithm, size): the same number of calls on every worker, fixed from the
     # size (the calls are barriers: a worker that made more would wait forever).
     calls = {size: max(3, int(args.seconds / (1e-3 + size / 50e6))) for size in sizes}
@@ -157,9 +143,7 @@ def main():
     }
     print(json.dumps({w: {s: (r["ms"], r["vs_ring"]) for s, r in t.items()}
                       for w, t in table.items()}, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 def _default_doubling_bytes():

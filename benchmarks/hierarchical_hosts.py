@@ -31,6 +31,8 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from _common import all_reduce_functions, write_json  # noqa: E402
+
 COMMUNICATIONS = ("ring", "hierarchical")
 
 
@@ -70,28 +72,12 @@ def worker(args):
     import tfpar
 
     tfpar.virtual_cpus(1)
-    import tensorflow as tf
-
     sizes = [int(s) for s in args.sizes.split(",")]
     # No timeout: TensorFlow keeps a thread per timed collective for the timeout (BUILD_NOTES).
     strategies = {c: tfpar.DataParallelStrategy(communication=c, bytes_per_pack=0,
                                                 timeout_seconds=math.inf)
                   for c in COMMUNICATIONS}
-    functions = {}
-    for name, strategy in strategies.items():
-        for size in sizes:
-            @tf.function
-            def reduce(strategy=strategy, elements=size // 4):
-                def replica_fn():
-                    value = tf.fill([elements], float(index + 1))
-                    return tf.distribute.get_replica_context().all_reduce(
-                        tf.distribute.ReduceOp.SUM, value)
-                return strategy.run(replica_fn)
-
-            want = sum(range(1, strategy.num_replicas_in_sync + 1))
-            got = float(strategy.experimental_local_results(reduce())[0][0])
-            assert got == want, (name, size, got, want)
-            functions[name, size] = reduce
+    functions = all_reduce_functions(strategies, sizes, index)
     times = {f"{c} {s}": [] for c in COMMUNICATIONS for s in sizes}
     link = {f"{c} {s}": [] for c in COMMUNICATIONS for s in sizes}
     for _ in range(args.rounds):
@@ -159,9 +145,7 @@ def main():
               "link_mbit": args.link_mbit,
               "by_bytes": table}
     print(json.dumps(table, indent=1))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

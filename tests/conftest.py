@@ -259,3 +259,47 @@ def toy_data(n=64, inputs=4, classes=3, seed=0):
 @pytest.fixture(scope="session")
 def toy():
     return toy_data()
+
+
+def routed_all_reduce_ops(n, route):
+    """TensorFlow's collective all-reduce over `n` logical CPUs, tfpar's launchers in it
+    routing dense all-reduces by `route(key_base)` (a fresh block of group keys). Returns
+    (ops, the devices, the key base)."""
+    import tfpar
+    from tfpar.distribute.common import group_keys
+    from tfpar.keras import tf_runtime
+
+    devices = [tf_runtime.canonical_device(d) for d in cpus(n)]
+    keys = tf_runtime.collective_keys(tfpar.DataParallelStrategy(cpus(n),
+                                                                 communication="ring").extended)
+    ops = tf_runtime.ring_all_reduce(devices, 0, keys)
+    base = group_keys.next_key_base()
+    tf_runtime.replace_launchers(ops, n, keys, tf_runtime.ring_options(0), 0, route(base))
+    return ops, devices, base
+
+
+def check_routed_all_reduce(ops, n, devices=None):
+    """Runs TensorFlow's collective all-reduce `ops` over `n` logical CPUs (tfpar's routed
+    launchers in them) on replica i's values 0.1 x (i + 1) x [0..6], traced and eagerly:
+    every replica ends with the sum, bitwise alike. Returns the traced graph."""
+    import tensorflow as tf
+
+    from tfpar.keras import tf_runtime
+
+    devices = devices or [tf_runtime.canonical_device(d) for d in cpus(n)]
+    values = []
+    for i, device in enumerate(devices):
+        with tf.device(device):
+            values.append(tf.constant(np.arange(7, dtype="float32") * 0.1 * (i + 1)))
+    values = tf_runtime.per_replica(values)
+    want = np.arange(7, dtype="float32") * 0.1 * sum(range(1, n + 1))
+
+    @tf.function
+    def reduce(values):
+        return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(values, values)])[0].values)
+
+    for result in (reduce(values), ops.reduce(tf.distribute.ReduceOp.SUM, values, values).values):
+        for got in result:
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+            np.testing.assert_array_equal(got.numpy(), result[0].numpy())  # Bitwise alike.
+    return reduce.get_concrete_function(values).graph

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import cpus
+from conftest import check_routed_all_reduce, cpus, routed_all_reduce_ops
 
 import tfpar
 from tfpar.distribute.common import group_keys
@@ -75,40 +75,15 @@ def test_exchange_group_keys_are_distinct_and_clear_of_the_strategies_blocks():
                        for lower in range(64) for level in range(7)}
 
 
-def _routed(n, doubling_bytes):
-    """TensorFlow's collective all-reduce over n logical CPUs, routed by halving-doubling."""
-    devices = [tf_runtime.canonical_device(d) for d in cpus(n)]
-    strategy = tfpar.DataParallelStrategy(cpus(n), communication="halving_doubling")
-    keys = tf_runtime.collective_keys(strategy.extended)
-    ops = tf_runtime.ring_all_reduce(devices, 0, keys)
-    tf_runtime.replace_launchers(
-        ops, n, keys, tf_runtime.ring_options(0), 0,
-        Exchanges(n, group_keys.next_key_base(), doubling_bytes=doubling_bytes))
-    values = []
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            values.append(tf.constant(np.arange(7, dtype="float32") * 0.1 * (i + 1)))
-    return ops, tf_runtime.per_replica(values), devices
-
-
 @pytest.mark.parametrize("n, doubling_bytes, gathers", [
     (4, 0, 4),        # halving-doubling: 2 log2(4) exchanges per replica
     (4, 1 << 20, 2),  # recursive doubling: log2(4)
     (3, 0, 2),        # 3 = 2 + 1: the third hands over, the core of 2 halves and doubles
 ])
 def test_routed_all_reduces_sum_on_every_replica_by_pairs(n, doubling_bytes, gathers):
-    ops, values, devices = _routed(n, doubling_bytes)
-    want = np.arange(7, dtype="float32") * 0.1 * sum(range(1, n + 1))
-
-    @tf.function
-    def reduce(values):
-        return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(values, values)])[0].values)
-
-    for result in (reduce(values), ops.reduce(tf.distribute.ReduceOp.SUM, values, values).values):
-        for got in result:
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-            np.testing.assert_array_equal(got.numpy(), result[0].numpy())  # Bitwise alike.
-    graph = reduce.get_concrete_function(values).graph
+    ops, devices, _ = routed_all_reduce_ops(
+        n, lambda base: Exchanges(n, base, doubling_bytes=doubling_bytes))
+    graph = check_routed_all_reduce(ops, n, devices)
     pairs = [op for op in graph.get_operations()
              if op.type in ("CollectiveGatherV2", "CollectiveReduceV2")]
     assert pairs and all(tf.get_static_value(op.inputs[1]) == 2 for op in pairs)  # Pairs.

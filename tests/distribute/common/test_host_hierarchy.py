@@ -5,12 +5,10 @@ simulated hosts: tests/distribute/data_parallel/test_multi_worker.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import cpus
+from conftest import check_routed_all_reduce, routed_all_reduce_ops
 
-import tfpar
 from tfpar.distribute.common import group_keys
 from tfpar.distribute.common.hierarchical_reduce import HostHierarchy
-from tfpar.keras import tf_runtime
 from tfpar.plan import communication
 from tfpar.plan import host_hierarchy as hh
 
@@ -91,29 +89,9 @@ def test_routed_all_reduces_sum_within_hosts_then_across_them():
     makes 3 sums in groups of 2 (its host, its slice across hosts, its host again), and
     every replica ends with the same sum."""
     n = 4
-    devices = [tf_runtime.canonical_device(d) for d in cpus(n)]
-    strategy = tfpar.DataParallelStrategy(cpus(n), communication="ring")
-    keys = tf_runtime.collective_keys(strategy.extended)
-    ops = tf_runtime.ring_all_reduce(devices, 0, keys)
-    base = group_keys.next_key_base()
-    tf_runtime.replace_launchers(ops, n, keys, tf_runtime.ring_options(0), 0,
-                                 HostHierarchy(hh.plan([0, 1, 0, 1]), base))
-    values = []
-    for i, device in enumerate(devices):
-        with tf.device(device):
-            values.append(tf.constant(np.arange(7, dtype="float32") * 0.1 * (i + 1)))
-    values = tf_runtime.per_replica(values)
-    want = np.arange(7, dtype="float32") * 0.1 * sum(range(1, n + 1))
-
-    @tf.function
-    def reduce(values):
-        return list(ops.batch_reduce(tf.distribute.ReduceOp.SUM, [(values, values)])[0].values)
-
-    for result in (reduce(values), ops.reduce(tf.distribute.ReduceOp.SUM, values, values).values):
-        for got in result:
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-            np.testing.assert_array_equal(got.numpy(), result[0].numpy())
-    graph = reduce.get_concrete_function(values).graph
+    ops, devices, base = routed_all_reduce_ops(
+        n, lambda base: HostHierarchy(hh.plan([0, 1, 0, 1]), base))
+    graph = check_routed_all_reduce(ops, n, devices)
     sums = [op for op in graph.get_operations() if op.type == "CollectiveReduceV2"]
     assert len(sums) == 3 * n and all(tf.get_static_value(op.inputs[1]) == 2 for op in sums)
     groups = {int(tf.get_static_value(op.inputs[2])) for op in sums}

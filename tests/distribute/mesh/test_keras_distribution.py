@@ -575,11 +575,16 @@ def test_keras_distribute_tensor_inside_a_users_tf_function():
         "layout = keras.distribution.TensorLayout([None, 'model'], mesh)\n"
         "tf.function(lambda x: keras.distribution.distribute_tensor(x, layout))(\n"
         "    tf.ones((2, 4)))\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    done = _in_a_fresh_process(program)
     assert done.returncode != 0
     assert "No OpKernel was registered to support Op 'Relayout'" in done.stderr, \
         done.stderr[-3000:]
+
+
+def _in_a_fresh_process(program):
+    """`program` (Python source) run in a process of its own, tfpar on its path."""
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
 
 
 def _one_layer_model(layer, shape):
@@ -666,8 +671,7 @@ def test_an_optimizer_built_before_fit_in_a_fresh_process_trains_as_on_one_devic
         "keras.distribution.set_distribution(None)\n"
         "want = build()\n"
         "print('DIFFERENCE', max(float(np.max(abs(a - b))) for a, b in zip(got, want)))\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    done = _in_a_fresh_process(program)
     assert done.returncode == 0, done.stderr[-3000:]
     difference = float(done.stdout.split("DIFFERENCE")[-1])
     assert difference < ATOL, difference
