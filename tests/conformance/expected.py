@@ -14,6 +14,7 @@ until the entry is removed here.
 """
 
 import harness
+from tfpar.keras.replicas import MUON_BY_INDEX_SINCE
 
 EQUAL = "equal"
 MULTI_WORKER = "mw2"  # DataParallelStrategy over 2 worker processes (1 CPU replica each)
@@ -302,6 +303,10 @@ def _expected():
         cells["opt_Adafactor", column] = "error:ValueError:cannot shard Adafactor"
         cells["opt_Muon", column] = "error:ValueError:cannot shard Muon"
     cells["opt_Nadam", "zero3"] = "error:ValueError:makes state as a trainable variable"
+    if harness.keras_before(MUON_BY_INDEX_SINCE):  # (The oldest pair's Muon.)
+        for column in OPTIMIZER_COLUMNS:  # (The mesh needs a newer Keras anyway: README.)
+            if column != harness.MESH and not cells["opt_Muon", column].startswith("error"):
+                cells["opt_Muon", column] = "error:ValueError:upgrade Keras, or use AdamW"
     for f in COMPRESSION_FEATURES:
         cells[f, "dp2_bf16"] = BF16_GRADIENTS
     for f in LOCAL_SGD_FEATURES:

@@ -684,6 +684,13 @@ OPTIMIZER_CLASS_ROWS = {
 }
 
 
+def keras_before(release):
+    """Whether the installed Keras is older than `release` ("3.13.0")."""
+    from tfpar.keras import internals
+
+    return internals.installed("keras") < internals.release(release)
+
+
 def _optimizer(name, *args, **kwargs):
     return lambda: dict(optimizer=getattr(keras.optimizers, name)(*args, **kwargs), loss=scce())
 

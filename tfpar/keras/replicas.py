@@ -744,6 +744,12 @@ def _refused_before_the_first_step(keras_make_function):
 # orthogonalized matrix, Adafactor's row and column moments): a tensor-parallel shard is not
 # one.
 _WHOLE_VARIABLE_OPTIMIZERS = ("Lamb", "Muon", "Adafactor")
+# First Keras release whose Muon finds a variable's state by its index: before, its update
+# read `variable.path`, which the copy a tf.distribute strategy updates (a TensorFlow
+# variable) lacks: "AttributeError: 'ResourceVariable' object has no attribute 'path'" at the
+# first step under any strategy, stock MirroredStrategy too (measured on Keras 3.10; read in
+# the 3.11-3.14 sources).
+MUON_BY_INDEX_SINCE = "3.13.0"
 
 
 def optimizer_refusal(strategy, model, optimizer):
@@ -768,6 +774,13 @@ def optimizer_refusal(strategy, model, optimizer):
             return (f"{type(strategy).__name__} with tensor parallelism cannot keep "
                     f"{name}(use_ema=True)'s averages of split variables yet. Drop use_ema "
                     f"(or average with a callback), or use tensor_parallel=1.")
+    if isinstance(inner, getattr(keras.optimizers, "Muon", ())) and (
+            internals.installed("keras") < internals.release(MUON_BY_INDEX_SINCE)):
+        return (f"{type(strategy).__name__} cannot train {model.name!r} with Muon on Keras "
+                f"{keras.__version__}: its update reads variable.path, which the copy a "
+                f"tf.distribute strategy updates lacks (AttributeError at the first step "
+                f"under any strategy, stock too). Keras >= {MUON_BY_INDEX_SINCE} fixes it: "
+                f"upgrade Keras, or use AdamW.")
     return None
 
 
