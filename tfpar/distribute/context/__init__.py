@@ -1,0 +1,1 @@
+"""Context parallelism: attention with the sequence split over devices."""
