@@ -111,12 +111,13 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         R >= 2). None: every copy of a stage keeps all its state. "optimizer" (stage 1):
         each variable of a stage has one owner among the stage's R devices
         (`tfpar.plan.sharding`, even bytes per stage), which alone keeps its optimizer
-        state and updates it; the updated values are all-gathered into the other copies.
-        "gradients" (stage 2): also, each device keeps only its own variables' reduced
-        gradients. "parameters" (stage 3): also, each variable lives on its owner only,
-        and the stage's other devices read it from there in each micro-batch's forward and
-        backward (kept from the forward to the backward pass, as
-        `DataParallelStrategy(reshard_after_forward=False)`). Checkpoints hold full state.
+        state, sums its gradient (on its device) and updates it; the updated values are
+        copied into the other copies. "gradients" (stage 2): also, each device keeps only
+        its own variables' reduced gradients. "parameters" (stage 3): also, each variable
+        lives on its owner only, and each of the stage's devices reads the stage's weights
+        from their owners once per step, a copy every micro-batch reads (kept for the
+        step, as `DataParallelStrategy(reshard_after_forward=False)`). Checkpoints hold
+        full state.
       num_stages: K; None: len(devices) / num_replicas. With
         `tfpar.layers.StageBoundary` markers the model must make K stages (K x v).
       virtual_stages: v, model chunks per device (interleaved schedules): the model is
