@@ -58,6 +58,7 @@ from tfpar.keras import gradient_clipping
 from tfpar.keras import look_ahead
 from tfpar.keras import internals
 from tfpar.keras import models
+from tfpar.keras import ps_state
 from tfpar.keras import steps
 from tfpar.keras import zero_optimizers
 
@@ -544,8 +545,8 @@ def _ema_overwritten_per_replica(keras_overwrite):
         if zero_optimizers.done_by_owners(self):
             return None
         averages = internals.attr(self, "_model_variables_moving_average")
-        if tf.distribute.has_strategy() and hooks_of(
-                tf.distribute.get_strategy())._tfpar_parameter_server:
+        if tf.distribute.has_strategy() and ps_state.uses_parameter_servers(
+                tf.distribute.get_strategy()):
             # One copy of each variable, on the parameter servers (sharded ones too): a
             # worker's step writes it, as it writes the update.
             for variable, average in zip(trainable_variables, averages):

@@ -69,11 +69,11 @@ def host_of_address(address):
     return address.rsplit(":", 1)[0]
 
 
-def hosts_of_tasks(task_addresses, replicas_per_task):
+def replica_hosts(task_addresses, replicas_per_task):
     """A host id per replica rank, the ranks numbered task by task (`task_addresses` in
     the order the collective numbers its tasks), each task holding `replicas_per_task`.
 
-    >>> hosts_of_tasks(["a:1", "a:2", "b:1"], 2)
+    >>> replica_hosts(["a:1", "a:2", "b:1"], 2)
     ['a', 'a', 'a', 'a', 'b', 'b']
     """
     return [host_of_address(a) for a in task_addresses for _ in range(replicas_per_task)]

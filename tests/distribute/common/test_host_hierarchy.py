@@ -57,7 +57,7 @@ def test_every_replica_ends_with_the_sum_and_sends_what_the_formulas_say(hosts, 
 
 
 def test_hosts_come_from_the_task_addresses_and_must_hold_as_many_replicas():
-    assert hh.hosts_of_tasks(["10.0.0.1:2222", "10.0.0.1:2223", "10.0.0.2:2222",
+    assert hh.replica_hosts(["10.0.0.1:2222", "10.0.0.1:2223", "10.0.0.2:2222",
                               "10.0.0.2:2223"], 1) == ["10.0.0.1"] * 2 + ["10.0.0.2"] * 2
     layout = hh.plan(["a", "b", "a", "b"])  # Ranks of a host need not be neighbours.
     assert layout.hosts == [[0, 2], [1, 3]] and layout.place(3) == (1, 1)

@@ -64,7 +64,7 @@ def hosts_of_replicas(cluster_resolver, num_replicas):
     host part of its task's address."""
     config = cluster_config(cluster_resolver)
     addresses = [a for job in ("chief", "worker") for a in config.cluster.get(job, ())]
-    return host_hierarchy.hosts_of_tasks(addresses, num_replicas // len(addresses))
+    return host_hierarchy.replica_hosts(addresses, num_replicas // len(addresses))
 
 
 def cluster_worker_count(cluster_resolver=None):

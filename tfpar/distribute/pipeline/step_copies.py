@@ -54,10 +54,10 @@ def take_copies(variables, device):
     """{id of each variable's storage: a copy of its value on `device`} (each variable read
     once, from wherever it lives)."""
     copies = {}
-    with tf.device(device):
+    with tf.device(device):  # (`read_value` ends in an identity here: the copy.)
         for variable in variables:
             storage = models.tf_variable(variable)
-            copies[id(storage)] = tf.identity(storage.read_value())
+            copies[id(storage)] = storage.read_value()
     return copies
 
 
