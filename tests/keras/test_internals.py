@@ -71,11 +71,13 @@ def _objects():
         options=internals.symbol("tensorflow.python.distribute.collective_util.Options")())
     epoch_iterator = internals.symbol("keras.src.backend.tensorflow.trainer.TFEpochIterator")(
         distribute_strategy=strategy, x=np.zeros((4, 4), "float32"), batch_size=2)
+    attention = keras.layers.MultiHeadAttention(2, 4)
+    attention(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
     model_objects = [optimizer, averaging, functional, functional.layers[1], functional._compile_loss, sequential,
                      hidden, functional.weights[0], functional.weights[0]._value, mirrored,
                      mirrored._values[0].handle, strategy.extended,
                      tf.distribute.OneDeviceStrategy("/cpu:0").extended,
-                     keras.layers.BatchNormalization(),
+                     keras.layers.BatchNormalization(), attention,
                      keras.callbacks.BackupAndRestore("/tmp/tfpar-test-unused"), graph_op,
                      epoch_iterator, collective_ops,
                      internals.symbol("keras.src.saving.saving_lib"),

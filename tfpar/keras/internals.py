@@ -124,6 +124,13 @@ ATTRIBUTES = {
     "_compute_loss": "keras.Model",
     "_flat_losses": "the compiled loss of a keras.Model",
     "_flatten_layers": "keras.layers.Layer",
+    "_query_dense": "keras.layers.MultiHeadAttention (its projections, split by heads)",
+    "_key_dense": "keras.layers.MultiHeadAttention",
+    "_value_dense": "keras.layers.MultiHeadAttention",
+    "_output_dense": "keras.layers.MultiHeadAttention",
+    "_dropout": "keras.layers.MultiHeadAttention (its rate: a share of the heads would draw "
+                "another dropout mask)",
+    "_use_gate": "keras.layers.MultiHeadAttention (gated attention, since Keras 3.14)",
     "_flatten_metrics_in_order": "keras.Model",
     "_get_own_losses": "keras.layers.Layer",
     "_clear_losses": "keras.layers.Layer",
@@ -311,6 +318,9 @@ WRAPS_BEFORE = {
 # Privates that only newer releases have: name -> (package, first release with it, what
 # `attr` gives on older ones, where tfpar does what those releases do).
 SINCE = {
+    # Keras 3.14 added gated attention to MultiHeadAttention (read in the 3.13.2 and 3.14.0
+    # wheels); before, no attention is gated.
+    "_use_gate": ("keras", "3.14.0", False),
     # Keras 3.15 gave every variable its own layout (optimizer state takes its variable's);
     # before, the distribution's LayoutMap decides for each, as tfpar then does.
     "_layout": ("keras", "3.15.0", None),

@@ -231,6 +231,52 @@ def refusal(layer):
     return None
 
 
+# Attention classes whose `call` runs head by head, by their source (Keras 3.10-3.15,
+# keras-hub 0.2x-0.32): given query, key, value and output projections cut to a share of
+# the heads, it computes those heads' share of the output projection's product, reading no
+# count of heads after the projections (rotary positions and grouped key/value heads act
+# per head). Named by module path: keras-hub need not be installed. Gemma's attention
+# reads its head count in its core: it is not here (its projections are gathered instead).
+# Each name maps to the attribute holding its dropout rate.
+_HEAD_BY_HEAD = {
+    "keras.src.layers.attention.multi_head_attention.MultiHeadAttention": "_dropout",
+    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention":
+        "_dropout",
+    "keras_hub.src.models.llama.llama_attention.LlamaAttention": "dropout",
+}
+PROJECTIONS = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
+
+
+def attention_projections(layer):
+    """(query, key, value, output) projection layers of an attention layer whose call can
+    run on a share of its heads (`_HEAD_BY_HEAD`), or None: another class, a gated
+    attention, or dropout on the attention (a share of the heads would draw another mask
+    than the whole layer draws)."""
+    cls = type(layer)
+    dropout = _HEAD_BY_HEAD.get(f"{cls.__module__}.{cls.__qualname__}")
+    if dropout is None:
+        return None
+    rate = internals.attr(layer, dropout) if dropout.startswith("_") else getattr(layer, dropout)
+    import keras
+
+    gated = (isinstance(layer, keras.layers.MultiHeadAttention)
+             and internals.attr(layer, "_use_gate"))
+    if gated or rate:
+        return None
+    return tuple(internals.attr(layer, name) for name in PROJECTIONS)
+
+
+def head_by_head_arguments(kwargs):
+    """Whether a call of an attention layer with `kwargs` can run head by head: not when
+    it returns the scores or reads a cache (generation, not training)."""
+    return not kwargs.get("return_attention_scores") and kwargs.get("cache") is None
+
+
+def own_call(layer):
+    """The `call` of the layer's class, bound to it (not one set on the instance)."""
+    return functools.partial(type(layer).call, layer)
+
+
 def sublayers(layer):
     """The layers nested in `layer` (a composite such as a Transformer block), not itself."""
     return list(internals.attr(layer, "_flatten_layers")(include_self=False))

@@ -518,6 +518,25 @@ def test_placed_call_on_plain_function_and_structures():
     np.testing.assert_allclose(gw, 12.0)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_placed_call_of_one_tensor_passed_twice_gives_its_gradient_once(traced):
+    """A self-attention's query and value are one tensor: its gradient is the sum of both
+    uses, not twice that sum (the tape sees one source). A tensor-parallel attention run
+    by heads passes its copy so (`head_split_call`)."""
+    x = tf.constant([1.0, 3.0])
+
+    def gradient():
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = placed_call(lambda query, value: query * value * 2.0 + query, "/cpu:1",
+                            x, value=x)
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, x)
+
+    got = tf.function(gradient)() if traced else gradient()
+    np.testing.assert_allclose(got, 4.0 * x.numpy() + 1.0)
+
+
 def test_model_call_hook_installs_once_and_ignores_other_models():
     from tfpar.keras import hooks as keras_seam
 

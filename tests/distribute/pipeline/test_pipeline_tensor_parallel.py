@@ -147,15 +147,16 @@ def test_each_shard_lives_on_its_own_device_with_its_shape():
     assert not [v for v in model.optimizer.variables if tuple(v.shape) == (H, 4 * H)]
 
 
-def _traced_step(strategy, model, x=None):
-    y = _data(BATCH)[1]
+def _traced_step(strategy, model, x=None, y=None):
+    y = _data(BATCH)[1] if y is None else y
     x = _data(BATCH)[0] if x is None else x
 
     @tf.function
     def step(x, y):
         return strategy.run(model.train_step, args=((x, y),))
 
-    return step.get_concrete_function(tf.TensorSpec(x.shape), tf.TensorSpec(y.shape)).graph
+    return step.get_concrete_function(tf.TensorSpec(x.shape, x.dtype),
+                                      tf.TensorSpec(y.shape, y.dtype)).graph
 
 
 def test_the_traced_step_has_one_reduction_each_way_per_micro_batch_and_no_gather():
@@ -386,9 +387,10 @@ gpt2, gpt2_layout = common.gpt2, common.gpt2_layout
 
 
 def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_device():
-    """A Transformer block is one node of the model graph: its attention projections and MLP
-    layers are split where the block calls them (column outputs gathered, row inputs
-    sliced), 2 stages x 2 devices, Adam: equal to one device, each shard on its device."""
+    """A Transformer block is one node of the model graph: its layers are split where the
+    block calls them, 2 stages x 2 devices, Adam: equal to one device, each shard on its
+    device. The attention runs by heads (each device's scores and softmax its own), the
+    MLP's column slices are handed to its row layer (no gather is read)."""
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")
@@ -414,6 +416,108 @@ def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_
     query = [v for v in model.optimizer.variables
              if v.path.endswith("kernel_shard1_momentum") and v.shape == (16, 1, 8)]
     assert sorted(_device_index(_copies(v)[0].device) for v in query) == [1, 1, 1, 3, 3, 3]
+    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
+    _check_attention_by_heads_and_slices_handed(ops, blocks_per_stage=1)
+
+
+def _llama(vocabulary=16, length=8):
+    """A Llama-shaped decoder of keras-hub's blocks: rotary positions, 4 query heads sharing
+    2 key/value heads, a gated MLP; causal."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((length,), dtype="int32")
+    x = keras.layers.Embedding(vocabulary, 16, name="embed")(tokens)
+    for i in range(2):
+        x = keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder(
+            32, 4, 2, name=f"block_{i}")(x)
+    model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
+    model.compile(keras.optimizers.Adam(0.01, epsilon=1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _masked_attention(vocabulary=16, length=8):
+    """Keras' own MultiHeadAttention as a node of the model, on an input whose padding
+    rides as a Keras mask (Embedding(mask_zero=True))."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((length,), dtype="int32")
+    x = keras.layers.Embedding(vocabulary, 16, mask_zero=True, name="embed")(tokens)
+    x = keras.layers.MultiHeadAttention(4, 4, name="attention")(x, x)
+    model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
+    # A summed loss: a pipeline refuses a masked mean (its divisor is the whole batch's).
+    model.compile(keras.optimizers.Adam(0.01, epsilon=1e-3),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"))
+    return model
+
+
+def _heads_layout(mlp):
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[r".*attention/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map[r".*attention/attention_output/kernel"] = ("model", None, None)
+    if mlp:
+        layout_map[r".*feedforward_(intermediate|gate)_dense/kernel"] = (None, "model")
+        layout_map[r".*feedforward_output_dense/kernel"] = ("model", None)
+    return layout_map
+
+
+@pytest.mark.parametrize("make, stages", [(_llama, 2), (_masked_attention, 1)])
+def test_attention_runs_by_heads_on_each_device_and_trains_as_one_device(make, stages):
+    """Llama's attention (rotary positions, grouped key/value heads) in keras-hub's block,
+    and Keras' MultiHeadAttention as a node on a masked input: each device runs its share
+    of the heads, equal to one device (1e-5)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (32, 8)).astype("int32")
+    x[::3, 5:] = 0  # Padding: masked out where the embedding masks zeros.
+    y = rng.integers(0, 16, (32, 8)).astype("int32")
+    want = make()
+    initial = want.get_weights()
+    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2 * stages), num_stages=stages, num_micro_batches=M,
+                                      tensor_parallel=2, layout_map=_heads_layout(make is _llama))
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
+    softmax = [_device_index(op.device) for op in ops if op.type == "Softmax"]
+    assert sorted(set(softmax)) == list(range(2 * stages)), softmax
+    assert all(softmax.count(d) == M for d in range(2 * stages)), softmax
+
+
+def test_an_attention_it_cannot_run_by_heads_runs_with_its_projections_gathered():
+    """Dropout on the attention's scores (a share of the heads would draw another mask than
+    the whole layer draws), a gate, or a class not known to run head by head."""
+    def attention(**kwargs):
+        layer = keras.layers.MultiHeadAttention(2, 4, **kwargs)
+        layer(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
+        return layer
+
+    assert keras_tp.attention_projections(attention()) is not None
+    assert keras_tp.attention_projections(attention(dropout=0.1)) is None
+
+    class Custom(keras.layers.MultiHeadAttention):
+        pass
+
+    layer = Custom(2, 4)
+    layer(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
+    assert keras_tp.attention_projections(layer) is None
+
+
+def _check_attention_by_heads_and_slices_handed(ops, blocks_per_stage, stages=((0, 1), (2, 3))):
+    # One softmax per block and micro-batch on every device of its stage (its heads), and
+    # the scores' products backward there too: no attention core runs whole on one device.
+    softmax = [_device_index(op.device) for op in ops if op.type == "Softmax"]
+    backward = [_device_index(op.device) for op in ops
+                if op.type == "BatchMatMulV2" and "gradient" in op.name.lower()]
+    for d in (d for stage in stages for d in stage):
+        assert softmax.count(d) == blocks_per_stage * M, softmax
+        assert backward.count(d) == backward.count(stages[0][0]) > 0, backward
+    # A column layer's gather is built for Keras (the block's output), but no op reads it.
+    gathers = [op for op in ops if op.type == "ConcatV2" and op.name.endswith(tp.GATHER)]
+    assert gathers and not [op for op in gathers if op.outputs[0].consumers()]
 
 
 def test_a_layout_on_a_weight_no_dense_layer_of_a_block_owns_is_refused():

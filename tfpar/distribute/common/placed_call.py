@@ -124,13 +124,20 @@ def placed_call(fn, device, *args, **kwargs):
             return fn(*args, **kwargs)
 
     flat = tf.nest.flatten((args, kwargs))
-    inputs_at = [i for i, x in enumerate(flat) if _differentiable(x)]
+    # One input per distinct tensor: a tensor passed twice (an attention's query and value)
+    # is one source of the tape, whose gradient already sums both uses.
+    inputs_at = {}  # id(tensor) -> the positions it fills.
+    for i, x in enumerate(flat):
+        if _differentiable(x):
+            inputs_at.setdefault(id(x), []).append(i)
+    distinct = [flat[positions[0]] for positions in inputs_at.values()]
     structure = {}
 
     def forward(*inputs):
         leaves = list(flat)
-        for i, tensor in zip(inputs_at, inputs):
-            leaves[i] = tensor
+        for positions, tensor in zip(inputs_at.values(), inputs):
+            for i in positions:
+                leaves[i] = tensor
         call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
         # Persistent: an outer persistent tape may ask for this gradient twice.
         tape = tf.GradientTape(persistent=True)
@@ -161,7 +168,7 @@ def placed_call(fn, device, *args, **kwargs):
         return results, gradient
 
     with tf.device(device):
-        results = tf.custom_gradient(forward)(*[flat[i] for i in inputs_at])
+        results = tf.custom_gradient(forward)(*distinct)
     outputs = structure["outputs"]
     flat_out = tf.nest.flatten(outputs)
     for i, placed in zip(structure["tensors_at"], results):

@@ -30,9 +30,11 @@ processes still add on the first device (`communication_of`). Each shard's forwa
 first step, naming the layer and the layout key.
 """
 
+import contextlib
 import dataclasses
 import functools
 import re
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -378,6 +380,39 @@ def _gathered(split_value, devices):
         return tf.concat(split_value.parts, split_value.axis, name=GATHER)
 
 
+class _Handed(threading.local):
+    """The slices of the column layers a composite layer called in this thread, by the
+    gathered output it was handed: a row layer the composite calls on that very tensor
+    (an MLP inside a Transformer block) takes the slices, and the gather is never run."""
+
+    def __init__(self):
+        self.slices = None
+
+
+_handed = _Handed()
+
+
+@contextlib.contextmanager
+def _handing_slices():
+    before, _handed.slices = _handed.slices, {}
+    try:
+        yield
+    finally:
+        _handed.slices = before
+
+
+def _hand(gathered, parts):
+    if _handed.slices is not None:
+        _handed.slices[id(gathered)] = (gathered, parts)
+
+
+def _slices_handed(x, axis):
+    entry = (_handed.slices or {}).get(id(x))
+    if entry is not None and entry[0] is x and entry[1].axis == axis:
+        return entry[1].parts
+    return None
+
+
 def column_call(split, shards, stage_devices, keep_split):
     """The call of a column layer: a `Split` of its output when `keep_split`."""
     layer, kernels = split.layer, shards[0]
@@ -396,7 +431,9 @@ def column_call(split, shards, stage_devices, keep_split):
         if keep_split:
             parts.mask = mask if layer.supports_masking else None
             return parts
-        return keras_tp.with_output_mask(layer, x, _gathered(parts, devices), mask)
+        gathered = _gathered(parts, devices)
+        _hand(gathered, parts)
+        return keras_tp.with_output_mask(layer, x, gathered, mask)
 
     return call
 
@@ -410,9 +447,10 @@ def row_call(split, shards, stage_devices):
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
         mask = _mask_of(x)
+        slices = _slices_handed(x, split.in_axis)
         if isinstance(x, Split) and x.axis == split.in_axis:
             slices = x.parts
-        else:
+        elif slices is None:
             if isinstance(x, Split):
                 x = _gathered(x, devices)
             slices = []
@@ -425,6 +463,93 @@ def row_call(split, shards, stage_devices):
         with tf.device(devices[0]):
             y = keras_tp.bias_and_activation(layer, y)
         return keras_tp.with_output_mask(layer, x, y, mask)
+
+    return call
+
+
+class _Shard(threading.local):
+    """The shard of the heads an attention layer's call is running for in this thread."""
+
+    def __init__(self):
+        self.index = None
+
+
+_shard = _Shard()
+
+
+def _shard_projection(split, shards):
+    """A projection's call for the shard `_shard.index` of the heads: a column's product
+    with its kernel (and bias) shard, a row's partial product with its kernel shard (the
+    bias is added once, after the sum)."""
+    layer, kernels = split.layer, shards[0]
+    biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
+
+    def call(inputs, *args, **kwargs):
+        t = _shard.index
+        if split.kind == COLUMN:
+            return keras_tp.column_shard(layer, kernels[t], biases[t], inputs)
+        return keras_tp.row_shard(layer, kernels[t], inputs)
+
+    return call
+
+
+def _runs_by_heads(projections, splits):
+    """Whether an attention layer's query, key and value projections are column-split and
+    its output projection row-split along the heads axis (the second from the end of a
+    (..., heads, head size) projection): then each device can run whole heads."""
+    *qkv, output = (splits.get(id(layer)) for layer in projections)
+    return (all(s is not None and s.kind == COLUMN and s.out_axis == -2 for s in qkv)
+            and output is not None and output.kind == ROW and output.in_axis == -2)
+
+
+def head_split_call(attention, projections, stage_devices, gathered_calls):
+    """The call of an attention layer run by heads (Megatron's attention): each of the
+    stage's T devices runs the layer's own call on a copy of its inputs with its share of
+    the heads (the projections' shards), so scores, softmax and the weighted sum of values
+    stay on it and divide by T; the T shares of the output projection's product are
+    summed (one reduction each way, as a Megatron pair) and the bias added once.
+    `projections`: {projection layer: (SplitLayer, shards)}. A call that returns the
+    scores or reads a cache runs with its projections gathered (`gathered_calls`)."""
+    shard_calls = {layer: _shard_projection(split, shards)
+                   for layer, (split, shards) in projections.items()}
+    output_split = next(split for split, _ in projections.values() if split.kind == ROW)
+    own = keras_tp.own_call(attention)
+
+    def on_shard(t, masks, *args, **kwargs):
+        leaves = tf.nest.flatten((args, kwargs))
+        for i, mask in masks.items():
+            models.set_mask(leaves[i], mask)
+        _shard.index = t
+        try:
+            return own(*args, **kwargs)
+        finally:
+            _shard.index = None
+
+    def call(*args, **kwargs):
+        if not keras_tp.head_by_head_arguments(kwargs):
+            with keras_tp.calls_replaced(gathered_calls):
+                return own(*args, **kwargs)
+        devices, communication = stage_devices()
+        leaves = tf.nest.flatten((args, kwargs))
+        copies = {}  # id(tensor) -> its copy on each device: one f per distinct input.
+        for x in leaves:
+            if tf.is_tensor(x) and id(x) not in copies:
+                copies[id(x)] = (copy_to_shards(x, devices, communication)
+                                 if x.dtype.is_floating else _copies(x, devices))
+        masks = {i: models.mask_of(x) for i, x in enumerate(leaves)
+                 if models.mask_of(x) is not None}
+        partials = []
+        with keras_tp.calls_replaced(shard_calls):
+            for t, device in enumerate(devices):
+                shard_leaves = [copies[id(x)][t] if tf.is_tensor(x) else x for x in leaves]
+                shard_args, shard_kwargs = tf.nest.pack_sequence_as((args, kwargs), shard_leaves)
+                partials.append(placed_call(functools.partial(on_shard, t, masks), device,
+                                            *shard_args, **shard_kwargs))
+        y = sum_of_shards(partials, devices, communication)
+        with tf.device(devices[0]):
+            y = keras_tp.bias_and_activation(output_split.layer, y)
+        models.keep_mask(partials[0], y)
+        return y
 
     return call
 
@@ -443,10 +568,34 @@ def _composite_call(composite, replacements):
     split while it runs."""
 
     def call(args, kwargs, training):
-        with keras_tp.calls_replaced(replacements):
+        with keras_tp.calls_replaced(replacements), _handing_slices():
             return keras_tp.run_node(composite, args, kwargs, training)
 
     return call
+
+
+def _calls_within(composite, splits, devices):
+    """{layer inside `composite` (or itself): its call} for the split layers the composite
+    calls (`splits`: {layer: (SplitLayer, shards)}): each attention layer whose projections
+    are split by heads runs by heads; the other split layers run split with their output
+    gathered (a column) or input sliced (a row), a column's slices handed to a row layer
+    called on its output."""
+    by_id = {id(layer): split for layer, (split, _) in splits.items()}
+    gathered = {layer: _as_layer_call(column_call(split, shards, devices, False)
+                                      if split.kind == COLUMN else
+                                      row_call(split, shards, devices))
+                for layer, (split, shards) in splits.items()}
+    calls = dict(gathered)
+    for layer in [composite, *keras_tp.sublayers(composite)]:
+        projections = keras_tp.attention_projections(layer)
+        if projections is None or not _runs_by_heads(projections, by_id):
+            continue
+        for projection in projections:
+            del calls[projection]
+        calls[layer] = head_split_call(
+            layer, {p: splits[p] for p in projections}, devices,
+            {p: gathered[p] for p in projections})
+    return calls
 
 
 def _sole_consumer(node, program, stage):
@@ -509,9 +658,7 @@ def split_program(program, planned, shard_homes, stage_devices):
             devices = functools.partial(stage_devices, stage.index)
             if split.within is not None:
                 inner.setdefault(id(split.within), (split.within, {}))[1][split.layer] = (
-                    _as_layer_call(column_call(split, shards, devices, False)
-                                   if split.kind == COLUMN else
-                                   row_call(split, shards, devices)))
+                    split, shards)
                 continue
             node = next(n for n in stage.nodes if n.operation is layer)
             if split.kind == COLUMN:
@@ -522,9 +669,11 @@ def split_program(program, planned, shard_homes, stage_devices):
                 program.calls[id(node)] = column_call(split, shards, devices, keep)
             else:
                 program.calls[id(node)] = row_call(split, shards, devices)
-        for composite, replacements in inner.values():
+        for composite, splits in inner.values():
             node = next(n for n in stage.nodes if n.operation is composite)
-            program.calls[id(node)] = _composite_call(composite, replacements)
+            devices = functools.partial(stage_devices, stage.index)
+            program.calls[id(node)] = _composite_call(
+                composite, _calls_within(composite, splits, devices))
         stages.append(dataclasses.replace(
             stage,
             trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
