@@ -18,6 +18,11 @@ axis of the equation, row when it is contracted):
 - A column layer whose output feeds only a row layer of the same stage (the Megatron MLP)
   hands it its T slices as they are: no gather in between. Otherwise its slices are
   concatenated on the stage's first device.
+- Inside a layer of layers (a Transformer block): an attention layer whose query, key and
+  value are column-split and output row-split by heads runs by heads, its own call once
+  per device on that device's share (`head_split_call`); a column's slices go to a row
+  layer the block calls on its output; other split layers gather or slice around the
+  block's own code.
 - Layers the layout map does not split run whole on the stage's first device, as in a
   pipeline without tensor parallelism.
 
