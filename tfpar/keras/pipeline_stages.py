@@ -5,9 +5,11 @@ calls are taken in an order where each comes after those it reads from, and cut
 into contiguous stages with `tfpar.plan.stages`: where the user put
 `tfpar.layers.StageBoundary` markers, or else into groups of about equal
 parameter count (all weights, frozen ones too, as `ModelParallelStrategy` counts).
-`tfpar.layers.OnDevice` layers keep their variables on the device they name. A stage may only start where exactly one tensor crosses from
-the earlier calls, so that a stage passes one tensor to the next. A stage runs
-its calls like Keras' `Functional.call` does, from a dict of computed tensors.
+`tfpar.layers.OnDevice` layers keep their variables on the device they name. A stage may
+only start where exactly one activation (a tensor a layer made) crosses from the earlier
+calls; the model's own inputs that later calls read (a Transformer backbone's padding mask
+beside its hidden states) cross along with it. A stage runs its calls like Keras'
+`Functional.call` does, from a dict of computed tensors.
 
 Nested models are one call each: they are not cut. Subclassed models have no
 graph to cut and are refused.
@@ -30,8 +32,10 @@ class Stage:
 
     index: int
     nodes: tuple  # Keras Nodes, in run order.
-    input_tensor: object  # The KerasTensor flowing in; None for stage 0.
-    output_tensor: object  # The KerasTensor flowing out; None for the last stage.
+    # The KerasTensors flowing in (() for stage 0) and out (() for the last stage): one
+    # activation, and the model inputs later stages read.
+    input_tensors: tuple
+    output_tensors: tuple
     layers: tuple  # The distinct layers the nodes call.
     trainable_variables: tuple  # Keras variables whose gradients the stage computes.
     placed_variables: tuple  # Variables that live on the stage's device (first use).
@@ -81,9 +85,11 @@ class StageProgram:
         return list(internals.attr(self.model_graph, "_standardize_inputs")(inputs))
 
     def run(self, index, inputs, training):
-        """Runs stage `index` on its input: the flat input list for stage 0, else a tensor.
+        """Runs stage `index` on its input: the flat input list for stage 0, else what the
+        previous stage returned.
 
-        Returns the tensor passed to the next stage, or the model's outputs.
+        Returns what the next stage takes (a tensor, or a tuple when model inputs cross with
+        the activation), or the model's outputs.
 
         Each call of the stage in turn, from a dict of computed tensors, as Keras'
         `Function._run_through_graph` runs a whole graph. (Not a Keras `Function` of the
@@ -95,7 +101,7 @@ class StageProgram:
         operation_fn = internals.symbol("keras.src.models.functional.operation_fn")
         unpack_singleton = internals.symbol("keras.src.models.functional.unpack_singleton")
         stage = self.stages[index]
-        starts = list(self.graph.inputs) if index == 0 else [stage.input_tensor]
+        starts = list(self.graph.inputs) if index == 0 else list(stage.input_tensors)
         values = {id(t): v for t, v in zip(starts, keras.tree.flatten(inputs))}
         for node in stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
@@ -106,8 +112,9 @@ class StageProgram:
                 outputs = operation_fn(node.operation, training=training)(*args, **kwargs)
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
-        if stage.output_tensor is not None:
-            return values[id(stage.output_tensor)]
+        if stage.output_tensors:
+            passed = tuple(values[id(t)] for t in stage.output_tensors)
+            return passed[0] if len(passed) == 1 else passed
         return unpack_singleton(keras.tree.map_structure(
             lambda t: values[id(t)], internals.attr(self.graph, "_outputs_struct")))
 
@@ -249,7 +256,9 @@ def build_program(model, num_stages, time_layer=None):
         [[id(t) for t in node.input_tensors] for node in nodes],
         [[id(t) for t in node.outputs] for node in nodes],
         [id(t) for t in graph.inputs], [id(t) for t in graph.outputs])
-    cuts = [i for i in range(1, len(nodes)) if len(crossing[i - 1]) == 1]
+    model_inputs = {id(t) for t in graph.inputs}
+    activations = [[t for t in crossed if t not in model_inputs] for crossed in crossing]
+    cuts = [i for i in range(1, len(nodes)) if len(activations[i - 1]) == 1]
     boundaries = [i for i, node in enumerate(nodes) if isinstance(node.operation, StageBoundary)]
     for i in boundaries:
         if i == 0:
@@ -257,13 +266,14 @@ def build_program(model, num_stages, time_layer=None):
                 f"StageBoundary {nodes[i].operation.name!r} is the model's first layer: a "
                 f"marker starts a new stage, so it must come after at least one layer.")
         if i not in cuts:
-            crossers = ", ".join(sorted({_producer_name(tensors[t]) for t in crossing[i - 1]}))
+            crossers = ", ".join(sorted({_producer_name(tensors[t])
+                                         for t in activations[i - 1]}))
             raise PlacementError(
                 f"StageBoundary {nodes[i].operation.name!r} cannot start a stage: "
-                f"{len(crossing[i - 1])} tensors cross there (outputs of {crossers}), but a "
-                f"pipeline passes exactly one tensor from a stage to the next. Move the marker "
-                f"to a point where a single tensor flows, e.g. after the layer that joins "
-                f"the branches.")
+                f"{len(activations[i - 1])} tensors cross there (outputs of {crossers}), but "
+                f"a pipeline passes exactly one activation from a stage to the next (with "
+                f"the model's inputs later layers read). Move the marker to a point where a "
+                f"single tensor flows, e.g. after the layer that joins the branches.")
     seen = set()
     if time_layer is not None:
         costs = [time_layer(node.operation, i == 0) for i, node in enumerate(nodes)]
@@ -290,12 +300,20 @@ def build_program(model, num_stages, time_layer=None):
                           for sg in internals.attr(sub, "_seed_generators"))
         stages.append(Stage(
             index=index, nodes=stage_nodes,
-            input_tensor=tensors[crossing[start - 1][0]] if start > 0 else None,
-            output_tensor=tensors[crossing[stop - 1][0]] if stop < len(nodes) else None,
+            input_tensors=_crossing(tensors, crossing, start, len(nodes), model_inputs),
+            output_tensors=_crossing(tensors, crossing, stop, len(nodes), model_inputs),
             layers=layers, trainable_variables=trainable,
             placed_variables=tuple(_distinct(own_variables)), regularized_layers=tuple(regularized),
             seed_variables=seeds))
     return StageProgram(graph, stages, model_graph)
+
+
+def _crossing(tensors, crossing, cut, num_nodes, model_inputs):
+    """The tensors crossing the cut before node `cut` (none at either end): the activation
+    first, then the model inputs crossing with it."""
+    if cut in (0, num_nodes):
+        return ()
+    return tuple(tensors[t] for t in sorted(crossing[cut - 1], key=lambda t: t in model_inputs))
 
 
 def _is_pinned(layer):

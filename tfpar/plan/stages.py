@@ -2,8 +2,9 @@
 
 A model is seen as its layer calls ("units") in an order where every unit comes
 after the units it reads from. A stage is a contiguous range of units, written
-`(start, stop)` as in `placement.partition`. A pipeline passes one tensor from a
-stage to the next, so a stage may only start where exactly one tensor crosses:
+`(start, stop)` as in `placement.partition`. A pipeline passes one activation from a
+stage to the next (with the model inputs later units read, which the caller leaves out of
+the count), so a stage may only start where exactly one tensor crosses:
 
     units:  0 dense_a   1 dense_b   2 add(dense_a, dense_b)   3 dense_c
     cut 1:  dense_a's output crosses            -> allowed
@@ -84,7 +85,7 @@ def stage_ranges(costs, num_stages, cuts=None, boundaries=(), names=None):
         if bad:
             raise PlacementError(
                 f"A stage cannot start at {', '.join(names[b] for b in bad)}: a stage must "
-                f"start where exactly one tensor crosses from the previous stage.")
+                f"start where exactly one activation crosses from the previous stage.")
         if len(boundaries) + 1 != num_stages:
             raise PlacementError(
                 f"The model's {len(boundaries)} StageBoundary marker"
@@ -98,7 +99,7 @@ def stage_ranges(costs, num_stages, cuts=None, boundaries=(), names=None):
     if len(segments) < num_stages:
         raise PlacementError(
             f"Cannot cut the model into {num_stages} pipeline stages: a stage must start "
-            f"where exactly one tensor crosses, and the model has only {len(cuts)} such "
+            f"where exactly one activation crosses, and the model has only {len(cuts)} such "
             f"place{'s' * (len(cuts) != 1)}"
             + (f" (before {', '.join(names[c] for c in cuts)})" if cuts else "")
             + f". Use at most {len(segments)} stages.")

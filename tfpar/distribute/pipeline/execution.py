@@ -359,7 +359,7 @@ class TrainStep:
                 snapshot = self.program.snapshot_losses(s)
                 if not rerun:
                     self.call_losses[s][m] = snapshot
-                return y, [y] + [t for _, losses in snapshot for t in losses]
+                return y, _floats(y) + [t for _, losses in snapshot for t in losses]
         else:
             aux = [tf.cast(steps.aggregate_additional_loss(self.model, l), tf.float32)
                    * replicas.call_loss_share(l, self.shares[m])
@@ -367,7 +367,7 @@ class TrainStep:
         if not last:
             if not rerun:
                 self.losses.extend(aux)
-            return y, [y] + aux
+            return y, _floats(y) + aux
         if not rerun:
             self.outputs[m] = y
         loss = self._loss(m, y)
@@ -524,12 +524,16 @@ class TrainStep:
         else:
             tape, x, targets = self.kept[s][m]
         seeds = [self._scaled(tf.ones_like(t)) for t in targets]
+        passed = 0  # The targets that are the chunk's outputs: the next chunk's inputs.
         if upstream is not None:
-            seeds[0] = upstream
+            # One gradient per float tensor passed on (None: the next chunk did not use it).
+            passed = len(upstream)
+            seeds[:passed] = [u if u is not None else tf.zeros_like(t)
+                              for u, t in zip(upstream, targets)]
         if self.custom_loss and upstream is not None:  # Call losses: as the last stage says.
-            sent = self.aux_upstream[s][m] or [None] * (len(targets) - 1)
-            seeds[1:] = [g if g is not None else tf.zeros_like(t)
-                         for g, t in zip(sent, targets[1:])]
+            sent = self.aux_upstream[s][m] or [None] * (len(targets) - passed)
+            seeds[passed:] = [g if g is not None else tf.zeros_like(t)
+                              for g, t in zip(sent, targets[passed:])]
         inputs = _floats(x) if s > 0 else []
         variables = self._variables(s)
         earlier = self._earlier_aux(m) if self.custom_loss and upstream is None else []
@@ -544,7 +548,9 @@ class TrainStep:
         weights = grads[len(inputs):len(inputs) + len(variables)]
         done = []
         if s > 0:
-            self.upstream[s - 1][m] = grads[0] if inputs else None
+            sent_back = list(grads[:len(inputs)])
+            self.upstream[s - 1][m] = (sent_back if any(g is not None for g in sent_back)
+                                       else None)
             done += [g for g in grads[:len(inputs)] if g is not None]
         if action.kind == INPUT_GRAD:
             # One gradient computation, no work twice: the ops only the weight gradients

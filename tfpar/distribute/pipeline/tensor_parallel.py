@@ -606,7 +606,7 @@ def _calls_within(composite, splits, devices):
 def _sole_consumer(node, program, stage):
     """The node of `stage` that alone reads `node`'s output (not the stage's output)."""
     output = node.outputs[0]
-    if stage.output_tensor is output or len(node.outputs) != 1:
+    if any(t is output for t in stage.output_tensors) or len(node.outputs) != 1:
         return None
     readers = [n for s in program.stages for n in s.nodes
                if any(t is output for t in n.input_tensors)]
