@@ -333,6 +333,33 @@ def _refuse_what_dtensor_cannot_run(model):
             f"tfpar strategy.")
 
 
+def _refuse_layouts_dtensor_cannot_run(model, distribution, error):
+    """A clear error for DTensor's refusal, at the first step (which it stops before any
+    update), of a layout map that splits weights over the data axis as well as the model
+    axis (FSDP-style, as keras-hub's `LlamaBackbone.get_layout_map` does): DTensor cannot
+    multiply an activation split over one axis by a kernel split over another along the
+    axis they share (TF 2.21). Other errors pass as they are."""
+    message = str(error)
+    if "sharding dimension" not in message or "not supported" not in message:
+        return
+    data_axis = getattr(distribution, "batch_dim_name", None)
+    over_data = [v.path for v in model.weights
+                 if isinstance(internals.attr(v, "_value"), _mesh.MeshVariable)
+                 and data_axis in _split_axes(v.value)]
+    said = next((line.split("error: ", 1)[-1] for line in message.splitlines()
+                 if "sharding dimension" in line), message.splitlines()[0])
+    raise ValueError(
+        f"DTensor cannot run {model.name!r}'s step with its layout map (nothing was "
+        f"trained): {said.strip()} The map lays {len(over_data)} weight(s) over the data "
+        f"axis {data_axis!r} too (e.g. {', '.join(over_data[:3])}), which DTensor does not "
+        f"gather for a product whose other side is split over another axis. Lay weights over "
+        f"the model axis only (Megatron's split: query/key/value kernels (None, 'model', None), "
+        f"the attention output ('model', None, None), the MLP's (None, 'model') then "
+        f"('model', None)); to divide weights over the data axis too, use "
+        f"tfpar.PipelineStrategy(num_replicas=..., tensor_parallel=..., shard='parameters', "
+        f"layout_map=...) (ZeRO-3 over the replicas).") from error
+
+
 def _distribution_of(model):
     variable = _mesh_variable(model)
     return None if variable is None else variable._tfpar_distribution
@@ -447,7 +474,12 @@ def _mesh_function(keras_make, kind):
             data = tf.nest.map_structure(
                 lambda t: None if t is None else runtime.batch(t, batch_axis), data)
             with _scope(distribution), _on_the_mesh(runtime):
-                return tf.nest.map_structure(runtime.whole, step(data))
+                try:
+                    outputs = step(data)
+                except tf.errors.UnknownError as error:
+                    _refuse_layouts_dtensor_cannot_run(self, distribution, error)
+                    raise
+                return tf.nest.map_structure(runtime.whole, outputs)
 
         if kind == "predict":
             def function(batches):
