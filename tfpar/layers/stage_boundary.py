@@ -12,7 +12,8 @@ class StageBoundary(keras.layers.Layer):
     markers the strategy cuts the model into balanced stages itself. Anywhere
     else the layer is the identity, so a model with markers trains, saves and
     loads as usual. In a functional model a marker must sit where exactly one
-    tensor crosses from the layers before it to the layers after it.
+    activation crosses from the layers before it to the layers after it (the model's
+    own inputs, such as a padding mask, may cross with it).
 
     Examples:
       >>> import keras, tfpar
