@@ -59,7 +59,7 @@ def megatron_data(n=64):
             rng.normal(size=(n, MEGATRON_OUTPUTS)).astype("float32"))
 
 
-def gpt2(vocabulary=16, length=8, layers=2):
+def gpt2(vocabulary=16, length=8, layers=2, block=None):
     """A GPT-2 style decoder of keras-hub's layers (token and position embedding, 2
     `TransformerDecoder` blocks with causal self-attention, hidden 16, 2 heads) and a head
     over the vocabulary: each block is one node of the model, its attention and MLP
@@ -72,8 +72,8 @@ def gpt2(vocabulary=16, length=8, layers=2):
     x = keras_hub.layers.TokenAndPositionEmbedding(vocabulary, length, 16,
                                                    name="embedding")(tokens)
     for i in range(layers):
-        x = keras_hub.layers.TransformerDecoder(32, 2, dropout=0.0,
-                                                name=f"transformer_layer_{i}")(x)
+        x = (block or keras_hub.layers.TransformerDecoder)(32, 2, dropout=0.0,
+                                                           name=f"transformer_layer_{i}")(x)
     model = keras.Model(tokens, keras.layers.Dense(vocabulary, name="lm_head")(x))
     # epsilon 1e-3: the key bias's gradient is 0 in exact arithmetic (softmax ignores a
     # shift shared by a row's scores), and Adam's default 1e-7 would scale its rounding

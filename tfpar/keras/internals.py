@@ -124,6 +124,8 @@ ATTRIBUTES = {
     "_compute_loss": "keras.Model",
     "_flat_losses": "the compiled loss of a keras.Model",
     "_flatten_layers": "keras.layers.Layer",
+    "_input_spec": "keras.layers.Layer (written: a row layer of a block run replicated takes "
+                   "its device's slice, narrower than its spec)",
     "_query_dense": "keras.layers.MultiHeadAttention (its projections, split by heads)",
     "_key_dense": "keras.layers.MultiHeadAttention",
     "_value_dense": "keras.layers.MultiHeadAttention",

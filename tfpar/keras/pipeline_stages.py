@@ -61,6 +61,11 @@ class StageProgram:
         # the gradients see in place of a split variable.
         self.calls = {}
         self.substitutes = {}
+        # The nodes whose calls take a block's output held on several devices as it is
+        # (a tensor-parallel block run replicated), and how any other reader gets one
+        # tensor of it (`tensor_groups.whole_values`).
+        self.takes_replicated = set()
+        self.whole_values = None
 
     def optimizer_variables(self, variables):
         """`variables` with each split variable replaced by its shards, in order."""
@@ -103,8 +108,11 @@ class StageProgram:
         stage = self.stages[index]
         starts = list(self.graph.inputs) if index == 0 else list(stage.input_tensors)
         values = {id(t): v for t, v in zip(starts, keras.tree.flatten(inputs))}
+        whole = self.whole_values or (lambda structure: structure)
         for node in stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
+            if id(node) not in self.takes_replicated:
+                args, kwargs = whole((args, kwargs))
             split_call = self.calls.get(id(node))
             if split_call is not None:
                 outputs = split_call(args, kwargs, training)
@@ -113,10 +121,10 @@ class StageProgram:
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
         if stage.output_tensors:
-            passed = tuple(values[id(t)] for t in stage.output_tensors)
+            passed = tuple(whole(values[id(t)]) for t in stage.output_tensors)
             return passed[0] if len(passed) == 1 else passed
         return unpack_singleton(keras.tree.map_structure(
-            lambda t: values[id(t)], internals.attr(self.graph, "_outputs_struct")))
+            lambda t: whole(values[id(t)]), internals.attr(self.graph, "_outputs_struct")))
 
     def call_losses(self, index):
         """Losses the stage's layers added while they last ran (`add_loss`, activity

@@ -272,6 +272,44 @@ def head_by_head_arguments(kwargs):
     return not kwargs.get("return_attention_scores") and kwargs.get("cache") is None
 
 
+# Blocks whose call, run on each of T devices with every split layer answering with its
+# share (`tensor_parallel.replicated_call`), computes that device's share and nothing that
+# needs a split layer's whole output (read in each class's source, Keras 3.10-3.15,
+# keras-hub 0.2x-0.32): between a column and a row layer only elementwise code
+# (activations, Llama's gated product) and attention run by heads.
+_REPLICABLE = {
+    "keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder",
+    "keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder",
+    "keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder",
+    *_HEAD_BY_HEAD,
+}
+
+
+def replication_refusal(composite):
+    """Why `composite` (a layer of layers) cannot run replicated on a stage's T devices,
+    or None: another class, randomness (each device would draw its own: dropout), state
+    updated in the call (BatchNormalization's moving statistics, T times), or losses added
+    in the call (T times)."""
+    cls = type(composite)
+    if f"{cls.__module__}.{cls.__qualname__}" not in _REPLICABLE:
+        return f"{cls.__name__} is not a block known to run replicated"
+    layers = [composite, *sublayers(composite)]
+    for layer in layers:
+        if internals.attr(layer, "_seed_generators"):
+            return f"layer {layer.name!r} draws random numbers"
+        if getattr(layer, "activity_regularizer", None) is not None:
+            return f"layer {layer.name!r} adds an activity regularization loss"
+        if _is_attention(layer) and attention_projections(layer) is None:
+            return f"attention layer {layer.name!r} cannot run by heads"
+    if composite.non_trainable_weights:
+        return "it holds non-trainable state"
+    return None
+
+
+def _is_attention(layer):
+    return all(hasattr(layer, name) for name in PROJECTIONS)
+
+
 def own_call(layer):
     """The `call` of the layer's class, bound to it (not one set on the instance)."""
     return functools.partial(type(layer).call, layer)
@@ -302,6 +340,21 @@ def calls_replaced(replacements):
     finally:
         for layer in replacements:
             hooks.unpatch_object(layer, "call")
+
+
+@contextlib.contextmanager
+def input_specs_lifted(layers):
+    """While the block runs, `layers` check no input spec: a row layer of a block run
+    replicated is called on its device's slice, narrower than the whole input its spec
+    names (Keras checks the spec in `__call__`, before the call tfpar gives it)."""
+    for layer in layers:
+        internals.attr(layer, "_input_spec")  # (Fails closed if Keras keeps it elsewhere.)
+        hooks.patch_object(layer, "_input_spec", None)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            hooks.unpatch_object(layer, "_input_spec")
 
 
 @functools.lru_cache(maxsize=None)

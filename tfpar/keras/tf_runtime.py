@@ -140,6 +140,16 @@ def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
         collective_keys=keys)
 
 
+def ordering_token(device):
+    """A resource on `device` whose handle orders the collectives given it (as TensorFlow's
+    launchers make theirs): outside any function and any strategy's variable creator."""
+    import tensorflow as tf
+
+    with tf.init_scope(), tf.device(device):
+        return internals.symbol(
+            "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(0.0)
+
+
 def replace_launchers(ops, group_size, keys, options, first_rank, route=None):
     """Gives TensorFlow's `CollectiveAllReduce` `ops` (this process's replicas of
     `group_size` in all, made with `keys` and `options`) tfpar's launchers:
@@ -192,11 +202,7 @@ def _launcher_class():
                      route):
             super().__init__(group_key, group_size, collective_keys, device,
                              _untimed(options))
-            token = None
-            if route is not None:
-                with tf.init_scope(), tf.device(device):  # (As TensorFlow makes its own.)
-                    token = internals.symbol(
-                        "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(0.0)
+            token = ordering_token(device) if route is not None else None
             self.routed = (route, device, rank, token)
             self.timeout = options.timeout_seconds
             self.timed_graphs = weakref.WeakSet()

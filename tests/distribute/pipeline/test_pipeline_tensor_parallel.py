@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
+from tfpar.distribute.pipeline import tensor_groups
 from tfpar.distribute.pipeline import tensor_parallel as tp
 from tfpar.errors import DeviceError, PlacementError
 from tfpar.keras import internals
@@ -386,28 +387,50 @@ def test_memory_is_not_planned_or_reported_yet():
 gpt2, gpt2_layout = common.gpt2, common.gpt2_layout
 
 
-def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_device():
+def _subclassed_decoder():
+    import keras_hub
+
+    class Decoder(keras_hub.layers.TransformerDecoder):
+        """A block tfpar does not know: its code may need a split layer's whole output."""
+
+    return Decoder
+
+
+@pytest.mark.parametrize("replicated", [True, False])
+def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_device(
+        replicated):
     """A Transformer block is one node of the model graph: its layers are split where the
     block calls them, 2 stages x 2 devices, Adam: equal to one device, each shard on its
-    device. The attention runs by heads (each device's scores and softmax its own), the
-    MLP's column slices are handed to its row layer (no gather is read)."""
+    device. keras-hub's block runs replicated (Megatron's: every device runs the block,
+    row sums all-reduced by peer collectives, no sum on a first device); a block class
+    tfpar does not know runs on the stage's first device, its attention by heads (each
+    device's scores and softmax its own) and its MLP's column slices handed to the row
+    layer (no gather is read)."""
+    block = None if replicated else _subclassed_decoder()
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")
-    want = gpt2()
+    want = gpt2(block=block)
     initial = want.get_weights()
     want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     strategy = tfpar.PipelineStrategy(cpus(4), num_stages=2, num_micro_batches=2,
                                       schedule="1f1b", tensor_parallel=2,
                                       layout_map=gpt2_layout())
     with strategy.scope():
-        model = gpt2()
+        model = gpt2(block=block)
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     stages = strategy.stages(model)
     assert "transformer_layer_0" in stages[0] and "transformer_layer_1" in stages[1], stages
     assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
     for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
         np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
+    if replicated:
+        _check_blocks_replicated(ops, blocks_per_stage=1)
+    else:
+        _check_attention_by_heads_and_slices_handed(ops, blocks_per_stage=1)
+    if not replicated:
+        return
     # 2 blocks x 10 split variables (q, k, v kernels and biases, the output kernel, the
     # MLP's two kernels and the first's bias) x 2 shards, each with its Adam state on the
     # device of its stage and rank: stage s on CPUs 2s, 2s + 1.
@@ -416,8 +439,6 @@ def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_
     query = [v for v in model.optimizer.variables
              if v.path.endswith("kernel_shard1_momentum") and v.shape == (16, 1, 8)]
     assert sorted(_device_index(_copies(v)[0].device) for v in query) == [1, 1, 1, 3, 3, 3]
-    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
-    _check_attention_by_heads_and_slices_handed(ops, blocks_per_stage=1)
 
 
 def _llama(vocabulary=16, length=8):
@@ -504,6 +525,23 @@ def test_an_attention_it_cannot_run_by_heads_runs_with_its_projections_gathered(
     layer = Custom(2, 4)
     layer(np.zeros((1, 3, 8), "float32"), np.zeros((1, 3, 8), "float32"))
     assert keras_tp.attention_projections(layer) is None
+
+
+def _check_blocks_replicated(ops, blocks_per_stage, stages=((0, 1), (2, 3))):
+    """Each block ran on every device of its stage: its layer norms (a Mean each) and
+    softmax there, and per block and micro-batch 4 all-reduces on each device (the
+    attention's and the MLP's row sums forward, their column inputs' gradients backward;
+    one for query, key and value together), and no sum on one device."""
+    def on(op_type, name=""):
+        return [_device_index(op.device) for op in ops if op.type == op_type and name in op.name]
+
+    reduces = on("CollectiveReduceV2", tensor_groups.ALL_REDUCE)
+    for d in (d for stage in stages for d in stage):
+        assert on("Softmax").count(d) == blocks_per_stage * M
+        assert on("Mean").count(d) >= 2 * blocks_per_stage * M
+        assert reduces.count(d) == 4 * blocks_per_stage * M, reduces
+    assert not [op for op in ops if op.type == "AddN" and (
+        tp.FORWARD_REDUCTION in op.name or tp.BACKWARD_REDUCTION in op.name)]
 
 
 def _check_attention_by_heads_and_slices_handed(ops, blocks_per_stage, stages=((0, 1), (2, 3))):

@@ -76,6 +76,13 @@ def hierarchy_key(key_base, index):
     return key_base + _PAIR_KEYS - _HIERARCHY_KEYS + index
 
 
+def tensor_group_key(key_base, index):
+    """The group key of the `index`-th tensor-parallel group (a stage's T devices in one
+    pipeline replica) of the pipeline at `key_base`: the hierarchy's region, which a
+    pipeline, never reducing over hosts, leaves free."""
+    return hierarchy_key(key_base, index)
+
+
 def pair_key(key_base, first, second, num_replicas):
     """The group key of replicas `first` < `second` (of `num_replicas`) in the block at
     `key_base` (`pairs_fit(num_replicas)` must hold)."""

@@ -116,6 +116,14 @@ def placed_call(fn, device, *args, **kwargs):
       >>> [float(g) for g in tape.gradient(y, [x, w])]
       [2.0, 3.0]
     """
+    return placed(fn, device, args, kwargs)
+
+
+def placed(fn, device, args, kwargs, keep_variable=None):
+    """`placed_call(fn, device, *args, **kwargs)`; `keep_variable(variable)` False: the
+    variable's gradient through this call is left out (None), for a computation repeated
+    on several devices whose gradients are equal (a replicated block's layer norms): one
+    copy of the repeat gives the whole gradient."""
     if device is None or _in_keras_symbolic_scope():
         return fn(*args, **kwargs)
     if tf.executing_eagerly() and not _tape_recording():
@@ -163,7 +171,11 @@ def placed_call(fn, device, *args, **kwargs):
             input_grads = list(grads[:len(inputs)])
             if variables is None:
                 return input_grads
-            return input_grads, list(grads[len(inputs):])
+            variable_grads = list(grads[len(inputs):])
+            if keep_variable is not None:
+                variable_grads = [g if keep_variable(v) else None
+                                  for g, v in zip(variable_grads, variables)]
+            return input_grads, variable_grads
 
         return results, gradient
 

@@ -58,6 +58,7 @@ from tfpar.distribute.common.placed_call import canonical_device
 from tfpar.distribute.pipeline import execution as pipeline_exec
 from tfpar.distribute.pipeline import mirrored_placement
 from tfpar.distribute.pipeline import pipeline_reports
+from tfpar.distribute.pipeline import tensor_groups
 from tfpar.distribute.pipeline import tensor_parallel as tensor_parallel_lib
 from tfpar.distribute.pipeline.pipeline_config import PipelineConfig
 from tfpar.distribute.pipeline.pipeline_extended import _PipelineExtended
@@ -243,8 +244,10 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         self._lock = threading.RLock()
         self._tp_substitutes = {}  # id(split variable) -> its shards.
         self._tp_reductions = {}  # T devices of several processes -> their CrossDeviceOps.
+        self._tensor_groups = {}  # A stage's T devices -> their TensorGroup.
         # Read by MirroredExtended.
-        tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
+        self._key_base = group_keys.next_key_base()
+        tf_runtime.set_collective_key_base(self, self._key_base)
         # What MirroredStrategy.__init__ does, with this strategy's extended for its own.
         tf.distribute.Strategy.__init__(self, _PipelineExtended(
             self, self._grid, config.reduction_grid, config.replica_devices))
@@ -419,7 +422,9 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             with tf.init_scope(), self._creating_variables():
                 if planned:
                     program.stages = tensor_parallel_lib.split_program(
-                        program, planned, self._shard_homes, self._split_devices)
+                        program, planned, self._shard_homes, self._split_devices,
+                        # ZeRO-3 reads each weight from its owner: blocks run as before.
+                        self._tensor_group if self._tfpar_shard_stage != 3 else None)
                     self._tp_substitutes.update(program.substitutes)
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
@@ -451,6 +456,16 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                     communication, devices, tf_runtime.collective_keys(self.extended))
             return devices, self._tp_reductions[devices]
         return devices, communication
+
+    def _tensor_group(self, devices):
+        """The peer collectives of a stage's T `devices` in one replica (made once)."""
+        devices = tuple(devices)
+        with self._lock:
+            if devices not in self._tensor_groups:
+                index = [tuple(d) for row in self._tp_grid for d in row].index(devices)
+                self._tensor_groups[devices] = tensor_groups.TensorGroup(
+                    devices, tensor_groups.group_key_of(self._key_base, index))
+            return self._tensor_groups[devices]
 
     def _tfpar_optimizer_variables(self, variables):
         # Asked by the Keras seam when an optimizer is built: split variables are trained

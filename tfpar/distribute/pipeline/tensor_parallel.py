@@ -45,7 +45,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar.distribute.common.placed_call import placed_call
+from tfpar.distribute.common.placed_call import placed, placed_call
+from tfpar.distribute.pipeline import tensor_groups
 from tfpar.errors import PlacementError
 from tfpar.keras import models
 from tfpar.keras import split_variables as keras_tp
@@ -559,6 +560,101 @@ def head_split_call(attention, projections, stage_devices, gathered_calls):
     return call
 
 
+def _storage_ids(variable):
+    """Ids of the TensorFlow variables a read of Keras `variable` may touch (its storage and,
+    under the strategy, each copy)."""
+    value = models.storage(variable)
+    copies = tf.distribute.get_strategy().experimental_local_results(value)
+    return {id(value), *(id(c) for c in copies)}
+
+
+def _replicated_projection(split, shards, group, inputs_seen):
+    """A split layer's call on device `_shard.index` of a block run replicated: a column
+    multiplies its (replicated) input by its kernel shard, through f; a row multiplies its
+    slice of the input by its shard and all-reduces the product (g), then adds the whole
+    bias and the activation, as every device does."""
+    layer, kernels = split.layer, shards[0]
+    biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
+
+    def call(inputs, *args, **kwargs):
+        t = _shard.index
+        if split.kind == COLUMN:
+            # One f per input tensor and device: a block's query, key and value read one.
+            key = (id(inputs), t)
+            if key not in inputs_seen:
+                inputs_seen[key] = (inputs, group.f(inputs, t))
+            return keras_tp.column_shard(layer, kernels[t], biases[t], inputs_seen[key][1])
+        x = inputs
+        shard_size = kernels[t].shape[split.split_variables[0][1]]
+        if x.shape[split.in_axis] != shard_size:  # A whole input: this device's slice.
+            x = tf.split(x, len(kernels), split.in_axis)[t]
+        partial = keras_tp.row_shard(layer, kernels[t], x)
+        return keras_tp.bias_and_activation(layer, group.g(partial, t))
+
+    return call
+
+
+def replicated_call(composite, splits, stage_devices, group_of, fallback):
+    """The call of a block run replicated on the stage's T devices (Megatron's block):
+    each device runs the block's own call on its copy of the inputs, every split layer
+    answering with that device's share (`_replicated_projection`), the row layers' sums
+    all-reduced by peer collectives (`tensor_groups.TensorGroup`), so layer norms,
+    residuals and attention by heads run on every device and no device sums for the
+    others. The output is `Replicated`: the next replicated block takes its copies, any
+    other consumer the first device's. `fallback` runs the block when this cannot (eager
+    execution: the devices' collectives would wait for each other's Python)."""
+    sharded = [v for _, shards in splits.values() for group_shards in shards
+               for v in group_shards]
+    column_biases = [split.layer.bias for split, _ in splits.values()
+                     if split.kind == COLUMN and not split.bias_split
+                     and split.layer.bias is not None]
+
+    def call(args, kwargs, training):
+        if tf.executing_eagerly() or models.in_symbolic_scope():
+            return fallback(tensor_groups.whole_values(args),
+                            tensor_groups.whole_values(kwargs), training)
+        devices, _ = stage_devices()
+        group = group_of(devices)
+        # Gradients of what every device computes alike (layer norms, a row's bias) are
+        # taken from the first device's run; the shares' from each.
+        own = set()
+        for variable in sharded + column_biases:
+            own |= _storage_ids(variable)
+        leaves = tf.nest.flatten((args, kwargs))
+        copies = {}
+        for x in leaves:
+            if isinstance(x, tensor_groups.Replicated):
+                copies[id(x)] = x.copies
+            elif tf.is_tensor(x) and id(x) not in copies:
+                copies[id(x)] = tensor_groups.enter(x, devices)
+        inputs_seen = {}
+        projections = {split.layer: _replicated_projection(split, shards, group, inputs_seen)
+                       for split, shards in splits.values()}
+        outputs = []
+        rows = [split.layer for split, _ in splits.values() if split.kind == ROW]
+        with keras_tp.calls_replaced(projections), keras_tp.input_specs_lifted(rows):
+            for t, device in enumerate(devices):
+                shard_leaves = [copies[id(x)][t] if id(x) in copies else x for x in leaves]
+                shard_args, shard_kwargs = tf.nest.pack_sequence_as((args, kwargs),
+                                                                    shard_leaves)
+
+                def run(*a, t=t, **k):
+                    _shard.index = t
+                    try:
+                        return keras_tp.run_node(composite, a, k, training)
+                    finally:
+                        _shard.index = None
+
+                keep = None if t == 0 else (lambda v: id(v) in own)
+                outputs.append(placed(run, device, shard_args, shard_kwargs, keep))
+        flat = [tf.nest.flatten(o) for o in outputs]
+        return tf.nest.pack_sequence_as(outputs[0], [
+            tensor_groups.Replicated(per_device) if tf.is_tensor(per_device[0]) else per_device[0]
+            for per_device in zip(*flat)])
+
+    return call
+
+
 def _as_layer_call(split_call):
     """A split layer's call as its `call` attribute (inputs, then Keras' keywords)."""
 
@@ -638,7 +734,7 @@ def make_shards(variable, axis, homes):
     return tuple(shards)
 
 
-def split_program(program, planned, shard_homes, stage_devices):
+def split_program(program, planned, shard_homes, stage_devices, group_of=None):
     """Gives each planned layer's split variables their shards and the program the split
     calls. `shard_homes(stage_index)`: for each of the stage's T devices, its device in
     every replica; `stage_devices(stage_index)`: () -> (this replica's T devices of the
@@ -677,8 +773,12 @@ def split_program(program, planned, shard_homes, stage_devices):
         for composite, splits in inner.values():
             node = next(n for n in stage.nodes if n.operation is composite)
             devices = functools.partial(stage_devices, stage.index)
-            program.calls[id(node)] = _composite_call(
-                composite, _calls_within(composite, splits, devices))
+            call = _composite_call(composite, _calls_within(composite, splits, devices))
+            if group_of is not None and keras_tp.replication_refusal(composite) is None:
+                call = replicated_call(composite, splits, devices, group_of, call)
+                program.takes_replicated.add(id(node))
+                program.whole_values = tensor_groups.whole_values
+            program.calls[id(node)] = call
         stages.append(dataclasses.replace(
             stage,
             trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
