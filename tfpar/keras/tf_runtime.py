@@ -140,14 +140,15 @@ def ring_all_reduce(devices, bytes_per_pack, keys, implementation="ring"):
         collective_keys=keys)
 
 
-def ordering_token(device):
+def ordering_token(device, dtype="float32"):
     """A resource on `device` whose handle orders the collectives given it (as TensorFlow's
     launchers make theirs): outside any function and any strategy's variable creator."""
     import tensorflow as tf
 
     with tf.init_scope(), tf.device(device):
         return internals.symbol(
-            "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(0.0)
+            "tensorflow.python.ops.resource_variable_ops.ResourceVariable")(
+                tf.zeros((), dtype))
 
 
 def replace_launchers(ops, group_size, keys, options, first_rank, route=None):

@@ -6,6 +6,7 @@ step, naming the layer and the key."""
 
 import functools
 import json
+import re
 import os
 import subprocess
 import sys
@@ -160,23 +161,45 @@ def _traced_step(strategy, model, x=None, y=None):
                                       tf.TensorSpec(y.shape, y.dtype)).graph
 
 
-def test_the_traced_step_has_one_reduction_each_way_per_micro_batch_and_no_gather():
-    strategy, model = _trained("sgd_momentum", "1f1b")
+def _action_of(op):
+    """The pipeline action ("1F0": stage 1's forward of micro-batch 0) an op was built in."""
+    found = re.search(r"/(\d+)([FBIW])(\d+)/", op.name)
+    return found.group(2) if found else None
+
+
+def _all_reduces(ops):
+    return [op for op in ops if op.type == "CollectiveReduceV2"
+            and tensor_groups.ALL_REDUCE in op.name]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble_h1"])
+def test_the_traced_step_has_one_reduction_each_way_per_micro_batch_and_no_gather(schedule):
+    """Two Megatron MLPs (one per stage) x M micro-batches: M forward reductions each
+    (the row layer's partial products) and M backward ones (the column layer's input
+    gradients); nothing gathered between the column and the row layer. With 1F1B each is an
+    all-reduce of peer collectives on every device of the stage (no root); zero bubble
+    defers weight gradients, and its reductions add on each stage's first device."""
+    strategy, model = _trained("sgd_momentum", schedule)
     ops = _traced_step(strategy, model).get_operations()
-
-    def named(part, kind="AddN"):
-        return [op for op in ops if part in op.name and op.type == kind]
-
-    # Two Megatron MLPs (one per stage) x M micro-batches: M forward reductions each
-    # (summing the row layer's partial products) and M backward ones (summing the column
-    # layer's input gradients); nothing gathered between the column and the row layer.
-    forward, backward = named(tp.FORWARD_REDUCTION), named(tp.BACKWARD_REDUCTION)
-    assert len(forward) == 2 * M and len(backward) == 2 * M
     assert not [op for op in ops if tp.GATHER in op.name]
-    for op in forward + backward:
-        assert _device_index(op.device) in (0, 2)  # Each stage's first device.
-        assert len(op.inputs) == 2
-        assert sorted(_device_index(i.device) for i in op.inputs) in ([0, 1], [2, 3])
+    reduces = _all_reduces(ops)
+    if schedule == "1f1b":
+        for d in range(4):
+            mine = [_action_of(op) for op in reduces if _device_index(op.device) == d]
+            assert mine.count("F") == M and mine.count("B") == M, (d, mine)
+        assert not [op for op in ops if op.type == "AddN" and tp.FORWARD_REDUCTION in op.name]
+    else:
+        assert not reduces
+
+        def named(part, kind="AddN"):
+            return [op for op in ops if part in op.name and op.type == kind]
+
+        forward, backward = named(tp.FORWARD_REDUCTION), named(tp.BACKWARD_REDUCTION)
+        assert len(forward) == 2 * M and len(backward) == 2 * M
+        for op in forward + backward:
+            assert _device_index(op.device) in (0, 2)  # Each stage's first device.
+            assert len(op.inputs) == 2
+            assert sorted(_device_index(i.device) for i in op.inputs) in ([0, 1], [2, 3])
     # Every device multiplies, forward and backward (the shards' gradients on their device).
     matmuls = [op for op in ops if op.type == "MatMul"]
     assert {_device_index(op.device) for op in matmuls} == {0, 1, 2, 3}
@@ -295,7 +318,8 @@ def test_an_einsum_dense_megatron_pair_trains_as_one_device():
         [(INPUTS, 2 * H)] * 2 + [(2 * H,)] * 2 + [(2 * H, H)] * 2)
     ops = _traced_step(strategy, model, x[:BATCH]).get_operations()
     assert not [op for op in ops if tp.GATHER in op.name]
-    assert len([op for op in ops if tp.FORWARD_REDUCTION in op.name and op.type == "AddN"]) == M
+    forward = [op for op in _all_reduces(ops) if _action_of(op) == "F"]
+    assert sorted(_device_index(op.device) for op in forward) == [0] * M + [1] * M
 
 
 def test_gpu_stages_reduce_with_nccl_and_cpu_stages_add_on_the_first_device():

@@ -423,8 +423,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 if planned:
                     program.stages = tensor_parallel_lib.split_program(
                         program, planned, self._shard_homes, self._split_devices,
-                        # ZeRO-3 reads each weight from its owner: blocks run as before.
-                        self._tensor_group if self._tfpar_shard_stage != 3 else None)
+                        self._tensor_group if self._peer_tensor_groups() else None)
                     self._tp_substitutes.update(program.substitutes)
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
@@ -456,6 +455,15 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                     communication, devices, tf_runtime.collective_keys(self.extended))
             return devices, self._tp_reductions[devices]
         return devices, communication
+
+    def _peer_tensor_groups(self):
+        """Whether tensor-parallel stages run replicated with peer collectives: not under
+        ZeRO-3 (each weight read from its owner) nor a schedule that defers weight
+        gradients (zero bubble: a deferred collective would wait, through its device's
+        ordering token, for one built after it)."""
+        splits_backward = any(action.kind == schedule_lib.INPUT_GRAD
+                              for order in self._schedule.stage_orders for action in order)
+        return self._tfpar_shard_stage != 3 and not splits_backward
 
     def _tensor_group(self, devices):
         """The peer collectives of a stage's T `devices` in one replica (made once)."""

@@ -27,6 +27,8 @@ from tfpar.keras import models
 from tfpar.keras import tf_runtime
 
 ALL_REDUCE = "tp_all_reduce"  # The name of every group all-reduce (a test counts them).
+# Instance keys of all-reduces of unknown shape: 2^30 up, clear of the positional ones.
+_DYNAMIC_KEYS = 1 << 30
 
 
 class Replicated:
@@ -110,23 +112,39 @@ class TensorGroup:
         self._hint = "nccl" if gpus else "auto"
 
     def _token(self, t):
+        """Device t's ordering token, which also counts its collectives of unknown shape."""
         with self._lock:
             if t not in self._tokens:
-                self._tokens[t] = tf_runtime.ordering_token(self.devices[t])
+                self._tokens[t] = tf_runtime.ordering_token(self.devices[t], tf.int64)
             return self._tokens[t]
 
-    def all_reduce(self, x, t):
-        """The sum of x over the group, as device t's member of the collective."""
+    def _key(self, x, t):
+        """The instance key of device t's next all-reduce of x."""
         device = self.devices[t]
-        key = self._instance_keys.next(self.group_key, device,
-                                       (str(x.shape), x.dtype.name, "reduce"),
-                                       collections.Counter())
+        if x.shape.is_fully_defined():
+            # A key per place in the traced function and shape: TensorFlow keeps an
+            # instance's shape, and resolves it once.
+            return self._instance_keys.next(self.group_key, device,
+                                            (str(x.shape), x.dtype.name, "reduce"),
+                                            collections.Counter())
+        # A shape known only when the step runs (a partial last batch under Keras'
+        # retracing) may change from call to call: a fresh key each call, the same on
+        # every device (each counts its own such collectives alike, on its token).
         with tf.device(device):
+            count = self._token(t).assign_add(1, read_value=True)
+            return tf.cast(_DYNAMIC_KEYS + count % _DYNAMIC_KEYS, tf.int32)
+
+    def _reduce(self, x, t, key):
+        with tf.device(self.devices[t]):
             return tf.raw_ops.CollectiveReduceV2(
                 input=x, group_size=len(self.devices), group_key=self.group_key,
                 instance_key=key, ordering_token=[self._token(t).handle], merge_op="Add",
                 final_op="Id", communication_hint=self._hint, timeout_seconds=0,
                 name=ALL_REDUCE)
+
+    def all_reduce(self, x, t):
+        """The sum of x over the group, as device t's member of the collective."""
+        return self._reduce(x, t, self._key(x, t))
 
     def f(self, x, t):
         """Megatron's f: x as it is; in the backward pass, the group's sum of gradients."""
@@ -141,9 +159,11 @@ class TensorGroup:
         """Megatron's g: the group's sum of x (every device holds it); in the backward pass,
         the gradient as it is."""
 
+        key = self._key(x, t)  # (Outside the custom gradient: it may count on the token.)
+
         @tf.custom_gradient
         def total(x):
-            return self.all_reduce(x, t), lambda upstream: upstream
+            return self._reduce(x, t, key), lambda upstream: upstream
 
         return total(x)
 

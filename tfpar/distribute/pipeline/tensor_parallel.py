@@ -419,8 +419,10 @@ def _slices_handed(x, axis):
     return None
 
 
-def column_call(split, shards, stage_devices, keep_split):
-    """The call of a column layer: a `Split` of its output when `keep_split`."""
+def column_call(split, shards, stage_devices, keep_split, group_of=None):
+    """The call of a column layer: a `Split` of its output when `keep_split`. With
+    `group_of` (peer collectives) and in a function, each device's share reads its own copy
+    of the input (a `Replicated` one as it is), through Megatron's f."""
     layer, kernels = split.layer, shards[0]
     biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
 
@@ -429,11 +431,26 @@ def column_call(split, shards, stage_devices, keep_split):
         devices, communication = stage_devices()
         x = _input_of(args, kwargs)
         mask = _mask_of(x)
-        if isinstance(x, Split):
-            x = _gathered(x, devices)
-        copies = copy_to_shards(x, devices, communication)
-        parts = Split([placed_call(functools.partial(keras_tp.column_shard, layer, k, b), d, c)
-                       for k, b, d, c in zip(kernels, biases, devices, copies)], split.out_axis)
+        if _replicates(group_of):
+            group = group_of(devices)
+            if isinstance(x, tensor_groups.Replicated):
+                copies = x.copies
+            else:
+                copies = tensor_groups.enter(
+                    _gathered(x, devices) if isinstance(x, Split) else x, devices)
+            x = copies[0]
+            parts = Split([placed(functools.partial(_column_share, layer, k, b, group, t), d,
+                                  (c,), {})
+                           for t, (k, b, d, c) in enumerate(zip(kernels, biases, devices,
+                                                                copies))], split.out_axis)
+        else:
+            if isinstance(x, Split):
+                x = _gathered(x, devices)
+            copies = copy_to_shards(x, devices, communication)
+            parts = Split([placed_call(functools.partial(keras_tp.column_shard, layer, k, b),
+                                       d, c)
+                           for k, b, d, c in zip(kernels, biases, devices, copies)],
+                          split.out_axis)
         if keep_split:
             parts.mask = mask if layer.supports_masking else None
             return parts
@@ -444,8 +461,22 @@ def column_call(split, shards, stage_devices, keep_split):
     return call
 
 
-def row_call(split, shards, stage_devices):
-    """The call of a row layer, on a `Split` input or a whole one."""
+def _column_share(layer, kernel, bias, group, t, x):
+    return keras_tp.column_shard(layer, kernel, bias, group.f(x, t))
+
+
+def _replicates(group_of):
+    """Whether split layers run with peer collectives now: asked for, and in a function
+    (eagerly, each device's collective would wait for the next device's Python)."""
+    return (group_of is not None and not tf.executing_eagerly()
+            and not models.in_symbolic_scope())
+
+
+def row_call(split, shards, stage_devices, group_of=None):
+    """The call of a row layer, on a `Split` input or a whole one. With `group_of` (peer
+    collectives) and in a function: each device's partial product is all-reduced onto every
+    device (Megatron's g), which adds the bias and the activation itself; the output is
+    `Replicated`."""
     layer, kernels = split.layer, shards[0]
 
     def call(args, kwargs, training):
@@ -456,6 +487,10 @@ def row_call(split, shards, stage_devices):
         slices = _slices_handed(x, split.in_axis)
         if isinstance(x, Split) and x.axis == split.in_axis:
             slices = x.parts
+        elif isinstance(x, tensor_groups.Replicated):
+            slices = [_slice_on(c, t, len(devices), split.in_axis, d)
+                      for t, (c, d) in enumerate(zip(x.copies, devices))]
+            x = x.copies[0]
         elif slices is None:
             if isinstance(x, Split):
                 x = _gathered(x, devices)
@@ -463,6 +498,16 @@ def row_call(split, shards, stage_devices):
             for part, device in zip(tf.split(x, len(devices), split.in_axis), devices):
                 with tf.device(device):
                     slices.append(tf.identity(part))
+        if _replicates(group_of):
+            group = group_of(devices)
+            outputs = []
+            for t, (k, d, piece) in enumerate(zip(kernels, devices, slices)):
+                # The bias's gradient is equal on every device: the first device's counts.
+                keep = None if t == 0 else functools.partial(_is_storage_of, _storage_ids(k))
+                y = placed(functools.partial(_row_share, layer, k, group, t), d, (piece,), {},
+                           keep)
+                outputs.append(keras_tp.with_output_mask(layer, x, y, mask))
+            return tensor_groups.Replicated(outputs)
         partials = [placed_call(functools.partial(keras_tp.row_shard, layer, k), d, s)
                     for k, d, s in zip(kernels, devices, slices)]
         y = sum_of_shards(partials, devices, communication)
@@ -471,6 +516,19 @@ def row_call(split, shards, stage_devices):
         return keras_tp.with_output_mask(layer, x, y, mask)
 
     return call
+
+
+def _row_share(layer, kernel, group, t, x):
+    return keras_tp.bias_and_activation(layer, group.g(keras_tp.row_shard(layer, kernel, x), t))
+
+
+def _is_storage_of(ids, variable):
+    return id(variable) in ids
+
+
+def _slice_on(x, t, parts, axis, device):
+    with tf.device(device):
+        return tf.split(x, parts, axis)[t]
 
 
 class _Shard(threading.local):
@@ -738,8 +796,9 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
     """Gives each planned layer's split variables their shards and the program the split
     calls. `shard_homes(stage_index)`: for each of the stage's T devices, its device in
     every replica; `stage_devices(stage_index)`: () -> (this replica's T devices of the
-    stage, their communication), asked while a step is built. Returns the stages with
-    their variables replaced by shards."""
+    stage, their communication), asked while a step is built; `group_of(devices)`: their
+    `tensor_groups.TensorGroup` (split layers and blocks run with peer collectives, in a
+    function), or None. Returns the stages with their variables replaced by shards."""
     stages = []
     for stage in program.stages:
         homes = shard_homes(stage.index)
@@ -767,9 +826,12 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
                 read_by = planned.get(id(reader.operation)) if reader is not None else None
                 keep = (read_by is not None and read_by.kind == ROW
                         and read_by.in_axis == split.out_axis)
-                program.calls[id(node)] = column_call(split, shards, devices, keep)
+                program.calls[id(node)] = column_call(split, shards, devices, keep, group_of)
             else:
-                program.calls[id(node)] = row_call(split, shards, devices)
+                program.calls[id(node)] = row_call(split, shards, devices, group_of)
+            if group_of is not None:
+                program.takes_replicated.add(id(node))
+                program.whole_values = tensor_groups.whole_values
         for composite, splits in inner.values():
             node = next(n for n in stage.nodes if n.operation is composite)
             devices = functools.partial(stage_devices, stage.index)
