@@ -306,6 +306,23 @@ def replication_refusal(composite):
     return None
 
 
+def repeat_refusal(layer):
+    """Why `layer` (no split weights) cannot run again on each device that holds a copy of
+    its input, or None: randomness, state updated in the call, or losses added in it."""
+    import keras
+
+    if not isinstance(layer, keras.layers.Layer):
+        return None  # An op of the graph (keras.ops): no state.
+    for sub in [layer, *sublayers(layer)]:
+        if internals.attr(sub, "_seed_generators"):
+            return f"layer {sub.name!r} draws random numbers"
+        if getattr(sub, "activity_regularizer", None) is not None:
+            return f"layer {sub.name!r} adds an activity regularization loss"
+    if getattr(layer, "non_trainable_weights", None):
+        return "it holds non-trainable state"
+    return None
+
+
 def _is_attention(layer):
     return all(hasattr(layer, name) for name in PROJECTIONS)
 

@@ -226,8 +226,9 @@ class TrainStep:
     """
 
     def __init__(self, model, program, devices, schedule, remat, replica=0, num_replicas=1,
-                 offload_devices=None, copy_weights_once=False):
+                 offload_devices=None, copy_weights_once=False, input_device=None):
         self.model, self.program, self.devices = model, program, list(devices)
+        self.input_device = input_device
         # Pipeline x ZeRO-3: each stage's weights read from their owners once per step, into
         # copies every micro-batch reads (`step_copies`); {chunk: its copies} once taken.
         self.copy_weights_once = copy_weights_once
@@ -282,7 +283,10 @@ class TrainStep:
                 sizes = micro_batch_sizes(size, m, nonempty=True) if m > 1 else None
                 self.shares = self._global_shares(
                     [size] if sizes is None else tf.unstack(sizes, num=m))
-        with tf.device(self.devices[0]):
+        # Split where the batch is fed (stages on other processes: the chief's device for
+        # this replica): a tensor-parallel first stage's devices each read their
+        # micro-batch from there, not through the first of them.
+        with tf.device(self.input_device or self.devices[0]):
             flat = self.program.standardize(x)
             for i, part in enumerate(split_batch(flat, m, sizes)):
                 self.inputs[0][i] = part
@@ -446,7 +450,11 @@ class TrainStep:
         s, m = action.stage, action.micro_batch
         with self._in_order(action):
             copies = self._copies(s)  # (Before x arrives: the copy overlaps the wait.)
-            x = _anchor(self.inputs[s][m])
+            # The first chunk's micro-batch stays where it is fed (each device of a
+            # tensor-parallel stage reads it from there).
+            with (tf.device(self.input_device) if s == 0 and self.input_device
+                  else contextlib.nullcontext()):
+                x = _anchor(self.inputs[s][m])
             with tf.control_dependencies(tensors_of(x)), step_copies.reading_copies(copies):
                 if self.remat:  # (The action starts when x is here.)
                     states = [(v, tf.identity(v.value))

@@ -540,7 +540,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                                        self._schedule, self._remat, replica, len(self._grid),
                                        offload_devices=self._offload_devices(devices),
                                        copy_weights_once=(self._tfpar_shard_stage == 3
-                                                          and self._tensor_parallel == 1))
+                                                          and self._tensor_parallel == 1),
+                                       input_device=self.extended.worker_devices[replica])
         versions = self._weight_versions(model)
         if versions is not None:
             versions.use_older(model.optimizer.iterations)

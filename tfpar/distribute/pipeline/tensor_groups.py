@@ -62,22 +62,22 @@ def _identity_on(x, device):
 
 def enter(x, devices):
     """x on every device; the gradient is the first device's (a replicated block's input
-    gradients are equal on every device)."""
+    gradients are equal on every device). Each copy is its own op on its device (one op
+    for all would be placed on one device, and every copy would pass through it)."""
     if not (x.dtype.is_floating or x.dtype.is_complex):
         return [_identity_on(x, d) for d in devices]
+    return [_copy_on(x, d, counts=(t == 0)) for t, d in enumerate(devices)]
 
+
+def _copy_on(x, device, counts):
     @tf.custom_gradient
     def copy(x):
-        def gradient(*upstream):
-            given = [u for u in upstream if u is not None]
-            return given[0] if given else tf.zeros_like(x)
+        return tf.identity(x), lambda upstream: upstream if counts else None
 
-        return [_identity_on(x, d) for d in devices], gradient
-
-    copies = copy(x)
-    for c in copies:
-        models.keep_mask(x, c)
-    return copies
+    with tf.device(device):
+        y = copy(x)
+    models.keep_mask(x, y)
+    return y
 
 
 def leave(copies):

@@ -713,6 +713,39 @@ def replicated_call(composite, splits, stage_devices, group_of, fallback):
     return call
 
 
+def _repeated_where_replicated(layer, stage_devices, group_of, reads_model_input):
+    """The call of an unsplit node no larger than its input: run on every device when its
+    input is `Replicated` or the model's own (as Megatron runs what follows a row layer, and
+    the first layers, on every rank: no device sends the others its output, nor their
+    gradient back), else once."""
+    repeated = replicated_call(layer, {}, stage_devices, group_of, None)
+
+    def call(args, kwargs, training):
+        leaves = tf.nest.flatten((args, kwargs))
+        if (reads_model_input or any(isinstance(x, tensor_groups.Replicated)
+                                     for x in leaves)) and _replicates(group_of):
+            return repeated(args, kwargs, training)
+        args, kwargs = tensor_groups.whole_values((args, kwargs))
+        return keras_tp.run_node(layer, args, kwargs, training)
+
+    return call
+
+
+def _no_larger_than_input(node):
+    """Whether a node's outputs hold no more numbers per example than its inputs."""
+    def size(tensors):
+        total = 0
+        for t in tensors:
+            dims = list(t.shape)[1:]
+            if any(d is None for d in dims):
+                return None
+            total += int(np.prod(dims, dtype=np.int64))
+        return total
+
+    given, made = size(node.input_tensors), size(node.outputs)
+    return given is not None and made is not None and made <= given
+
+
 def _as_layer_call(split_call):
     """A split layer's call as its `call` attribute (inputs, then Keras' keywords)."""
 
@@ -841,6 +874,16 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
                 program.takes_replicated.add(id(node))
                 program.whole_values = tensor_groups.whole_values
             program.calls[id(node)] = call
+        if group_of is not None:
+            devices = functools.partial(stage_devices, stage.index)
+            for node in stage.nodes:
+                if (id(node) not in program.calls and _no_larger_than_input(node)
+                        and keras_tp.repeat_refusal(node.operation) is None):
+                    model_inputs = {id(t) for t in program.graph.inputs}
+                    program.calls[id(node)] = _repeated_where_replicated(
+                        node.operation, devices, group_of,
+                        any(id(t) in model_inputs for t in node.input_tensors))
+                    program.takes_replicated.add(id(node))
         stages.append(dataclasses.replace(
             stage,
             trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
