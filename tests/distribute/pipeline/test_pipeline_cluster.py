@@ -213,9 +213,9 @@ def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_
     result = hybrids["tp_zero1"]
     assert result["difference"] < 1e-5, result
     assert set(result["stage_communication"].values()) == {"ring"}, result
-    # Each replica's T=2 devices are CPUs of two processes: sums add on the first (what
-    # TensorFlow's CPU ring measured worse than; GPUs there take NCCL's collective).
-    assert result["tensor_communication"] == [["reduce_to_one"]] * 2, result
+    # Each replica's T=2 devices are CPUs of two processes: the stage runs replicated, its
+    # sums all-reduced by peer collectives across the processes.
+    assert result["tensor_communication"] == [["all_reduce"]] * 2, result
     for path, devices in result["weights"].items():
         split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
         assert sorted(map(_task, devices)) == ([0, 1, 2, 3] if split else [0, 2]), path

@@ -324,9 +324,13 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
 
     @property
     def tensor_communication(self):
-        """How each tensor-parallel group sums (`tensor_communication[r][s]`: replica r's
-        stage s): "nccl" on GPUs (over several processes, NCCL's collective all-reduce),
-        "reduce_to_one" on CPUs (an add on the stage's first device)."""
+        """How each tensor-parallel group sums in a traced step (`tensor_communication[r][s]`:
+        replica r's stage s): "all_reduce" (the stage runs replicated, its sums all-reduced
+        by peer collectives: NCCL on GPUs, a ring on CPUs); under ZeRO-3 or a zero-bubble
+        schedule "nccl" on GPUs (over several processes, NCCL's collective all-reduce), else
+        "reduce_to_one" (an add on the stage's first device)."""
+        if self._peer_tensor_groups():
+            return [["all_reduce"] * len(row) for row in self._tp_grid]
         return [[tensor_parallel_lib.communication_of(devices) for devices in row]
                 for row in self._tp_grid]
 

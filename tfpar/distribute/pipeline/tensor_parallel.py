@@ -26,11 +26,16 @@ axis of the equation, row when it is contracted):
 - Layers the layout map does not split run whole on the stage's first device, as in a
   pipeline without tensor parallelism.
 
-Reductions inside a stage sum T tensors onto the stage's first device: with NCCL when the
-stage's devices are GPUs of this process (`select_communication`: a `NcclReduce`), else an
-add on that device (`"reduce_to_one"`); GPUs of several processes all-reduce by NCCL's
-collective (peers; TensorFlow's in-process NCCL ops would hang there), CPUs of several
-processes still add on the first device (`communication_of`). Each shard's forward and backward run on its device
+In a traced step a stage runs replicated, as Megatron runs it: every device runs the
+stage's split layers' shares, the blocks that can (`replicated_call`) and the small unsplit
+layers, a row layer's partial products are all-reduced onto every device and a column
+layer's input gradients too, by peer collectives (`tensor_groups`: NCCL on GPUs, a ring on
+CPUs, in one process or several). Eagerly, under ZeRO-3 and with zero-bubble schedules the
+reductions sum T tensors onto the stage's first device instead: with NCCL when the stage's
+devices are GPUs of this process (`select_communication`: a `NcclReduce`), else an add on
+that device (`"reduce_to_one"`); GPUs of several processes all-reduce by NCCL's collective
+(peers; TensorFlow's in-process NCCL ops would hang there), CPUs of several processes add on
+the first device (`communication_of`). Each shard's forward and backward run on its device
 (`placed_call`). What cannot be split is refused when the model is placed, before the
 first step, naming the layer and the layout key.
 """
