@@ -344,19 +344,26 @@ def run_node(layer, args, kwargs, training):
 
 
 @contextlib.contextmanager
+def _set_on_instances(values, name):
+    """Sets attribute `name` of each object of `values` ({object: value}) for the block."""
+    for obj, value in values.items():
+        hooks.patch_object(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj in values:
+            hooks.unpatch_object(obj, name)
+
+
+@contextlib.contextmanager
 def calls_replaced(replacements):
     """While the block runs, each layer of `replacements` ({layer: call(inputs, **kwargs)})
     runs that call in place of its own whenever it is called (inside a composite layer's
     call, which tfpar cannot rewrite): Keras' `Layer.__call__` runs the layer's `call`
     attribute, which is set on the instance for the block."""
     _check_instance_calls()
-    for layer, call in replacements.items():
-        hooks.patch_object(layer, "call", call)
-    try:
+    with _set_on_instances(replacements, "call"):
         yield
-    finally:
-        for layer in replacements:
-            hooks.unpatch_object(layer, "call")
 
 
 @contextlib.contextmanager
@@ -366,12 +373,8 @@ def input_specs_lifted(layers):
     names (Keras checks the spec in `__call__`, before the call tfpar gives it)."""
     for layer in layers:
         internals.attr(layer, "_input_spec")  # (Fails closed if Keras keeps it elsewhere.)
-        hooks.patch_object(layer, "_input_spec", None)
-    try:
+    with _set_on_instances({layer: None for layer in layers}, "_input_spec"):
         yield
-    finally:
-        for layer in layers:
-            hooks.unpatch_object(layer, "_input_spec")
 
 
 @functools.lru_cache(maxsize=None)
