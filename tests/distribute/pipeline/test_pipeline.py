@@ -482,6 +482,52 @@ def test_functional_model_is_cut_only_where_one_tensor_crosses(data):
         strategy.stages(model)
 
 
+def test_model_inputs_read_by_later_layers_cross_stage_boundaries_with_the_activation():
+    """A keras-hub backbone's shape without keras-hub: every block reads the hidden states
+    and a model input (a mask, a float scale too), so a cut between blocks passes the
+    activation with the inputs; 4 stages of 1F1B train equal to one device, and the float
+    input's gradient path (it scales each block) counts."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    mask = (rng.random((32, 6)) > 0.3).astype("int32")
+    scale = rng.uniform(0.5, 1.5, (32, 1)).astype("float32")
+    y = rng.normal(size=(32, 3)).astype("float32")
+
+    class Block(keras.layers.Layer):
+        def build(self, h_shape):
+            self.dense = keras.layers.Dense(6, activation="tanh")
+            self.dense.build(h_shape)
+
+        def call(self, h, mask, scale):
+            return self.dense(h * keras.ops.cast(mask, "float32") * scale) + h
+
+    def blocks():
+        keras.utils.set_random_seed(3)
+        inputs = {"x": keras.Input((6,), name="x"), "mask": keras.Input((6,), dtype="int32",
+                                                                          name="mask"),
+                  "scale": keras.Input((1,), name="scale")}
+        h = keras.layers.Dense(6, name="embed")(inputs["x"])
+        for i in range(3):
+            h = Block(name=f"block_{i}")(h, inputs["mask"], inputs["scale"])
+        model = keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    data = {"x": x, "mask": mask, "scale": scale}
+    want = blocks()
+    initial = want.get_weights()
+    want.fit(data, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, schedule="1f1b")
+    with strategy.scope():
+        model = blocks()
+    model.fit(data, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    stages = strategy.stages(model)
+    assert len(stages) == 4 and sum("block_" in " ".join(s) for s in stages) >= 3, stages
+    assert max(np.abs(w - w0).max() for w, w0 in zip(want.get_weights(), initial)) > 1e-3
+    for got, expected in zip(model.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
 def test_schedule_table_shows_the_grid_and_bubble():
     strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=4)
     table = strategy.schedule_table()
