@@ -73,6 +73,26 @@ def _devices(variable):
     return sorted(found)
 
 
+def _tensor_reductions(strategy, model):
+    """{device: [op type]} of the tensor-parallel reductions in a traced training step:
+    the peer all-reduces (`tp_all_reduce`) and any sum on one device (`tp_reduce_*`)."""
+    import tensorflow as tf
+
+    x, y = common.megatron_data(BATCH)
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    graph = step.get_concrete_function(tf.TensorSpec(x.shape), tf.TensorSpec(y.shape)).graph
+    found = {}
+    for op in graph.get_operations():
+        if ((op.type == "CollectiveReduceV2" and "tp_all_reduce" in op.name)
+                or (op.type == "AddN" and "tp_reduce" in op.name)):
+            found.setdefault(op.device, []).append(op.type)
+    return found
+
+
 def main(argv):
     import tensorflow as tf
 
@@ -97,6 +117,8 @@ def main(argv):
             "stage_devices": [list(row) for row in strategy.stage_devices],
             "stage_communication": {str(k): v for k, v in strategy.communication.items()},
             "tensor_communication": strategy.tensor_communication,
+            "tensor_reductions": (_tensor_reductions(strategy, model)
+                                  if tensor_parallel > 1 else {}),
             "weights": {v.path: _devices(v) for v in model.weights},
             "slots": {v.path: _devices(v) for v in model.optimizer.variables
                       if v.path.endswith(("momentum", "velocity"))},

@@ -216,6 +216,14 @@ def test_tensor_parallel_replicas_with_zero_1_train_on_four_worker_processes_as_
     # Each replica's T=2 devices are CPUs of two processes: the stage runs replicated, its
     # sums all-reduced by peer collectives across the processes.
     assert result["tensor_communication"] == [["all_reduce"]] * 2, result
+    # Read off the traced step: each of the 4 workers' devices all-reduces its tensor group's
+    # sums itself (M=2 micro-batches x the MLP's 2 Megatron pairs, forward and backward), and
+    # no device sums for the others.
+    reductions = result["tensor_reductions"]
+    assert sorted(_task(d) for d in reductions) == [0, 1, 2, 3], reductions
+    counts = {len(types) for types in reductions.values()}
+    assert all(set(t) == {"CollectiveReduceV2"} for t in reductions.values()), reductions
+    assert len(counts) == 1 and counts.pop() >= 4, reductions
     for path, devices in result["weights"].items():
         split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
         assert sorted(map(_task, devices)) == ([0, 1, 2, 3] if split else [0, 2]), path
