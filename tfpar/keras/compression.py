@@ -23,20 +23,36 @@ def _compressible(grad):
             and grad.dtype in (tf.float32, tf.float64))
 
 
+def compressible(grad):
+    """Whether a gradient goes to the wire in the compressed type (dense floats)."""
+    return _compressible(grad)
+
+
+def to_wire(grad, compression, num_replicas):
+    """A replica's gradient as it goes on the wire (float16: divided by the replicas first,
+    so that their sum stays in range)."""
+    scaled = grad / num_replicas if compression == "fp16" else grad
+    return tf.cast(scaled, WIRE[compression])
+
+
+def from_wire(total, dtype, compression, num_replicas):
+    """The replicas' sum in the wire type, back in `dtype` (float16: times the replicas)."""
+    total = tf.cast(total, dtype)
+    return total * num_replicas if compression == "fp16" else total
+
+
 def all_reduce_sum(context, compression, grads_and_vars, keras_all_reduce, optimizer):
     """Keras' `_all_reduce_sum_gradients` of `grads_and_vars` in replica `context`, the
     float gradients summed in the wire type of `compression`; the others by Keras."""
-    wire, n = WIRE[compression], context.num_replicas_in_sync
-    in_range = compression == "fp16"  # (bfloat16 has float32's range: nothing to scale.)
+    n = context.num_replicas_in_sync
     out = list(grads_and_vars)
     chosen = [i for i, (g, _) in enumerate(out) if _compressible(g)]
     rest = [i for i, (g, _) in enumerate(out) if g is not None and i not in chosen]
     if chosen:
-        sent = [tf.cast(out[i][0] / n if in_range else out[i][0], wire) for i in chosen]
+        sent = [to_wire(out[i][0], compression, n) for i in chosen]
         for i, total in zip(chosen, context.all_reduce(tf.distribute.ReduceOp.SUM, sent)):
             grad, variable = out[i]
-            total = tf.cast(total, grad.dtype)
-            out[i] = (total * n if in_range else total, variable)
+            out[i] = (from_wire(total, grad.dtype, compression, n), variable)
     if rest:  # (Keras refuses a list without any gradient.)
         for i, pair in zip(rest, keras_all_reduce(optimizer, [out[i] for i in rest])):
             out[i] = pair

@@ -116,10 +116,11 @@ def check_compression(compression, shard=None):
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be 'fp16', 'bf16' or None. Received: "
                          f"{compression!r}")
-    if compression and shard:
+    if compression and shard == "parameters":
         raise ValueError(
-            f"compression={compression!r} with shard={shard!r} is not supported yet: ZeRO "
-            f"reduces its gradient buckets itself. Use one of them.")
+            f"compression={compression!r} with shard={shard!r} is not supported yet: ZeRO-3's "
+            f"gradients and weight reads are not compressed. Use shard='optimizer' or "
+            f"'gradients' (ZeRO-1/2, whose gradient sums compress), or no compression.")
     return compression
 
 

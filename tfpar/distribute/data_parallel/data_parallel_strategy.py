@@ -94,8 +94,9 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
       compression: "fp16" or "bf16": the replicas' gradients summed in that type on the
         wire (half the bytes), as PyTorch DDP's compression hooks do: each replica casts
         its float gradients (float16: divided by the number of replicas first, so the
-        sum stays in range), the sum is cast back. None: full precision. Not with
-        `shard` yet.
+        sum stays in range), the sum is cast back. None: full precision. With
+        shard="optimizer" or "gradients" (ZeRO-1/2) each gradient's sum on its owner
+        is made in that type too; not with shard="parameters" yet.
       sync_every: periodic averaging (local SGD): each replica steps on its own
         gradient (N x its part of the global loss's: with a mean loss, its own
         examples' mean) with its own optimizer state, and the replicas' weights are

@@ -6,10 +6,12 @@ import dataclasses
 
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.distribute.common.device_memory import num_bytes
 from tfpar.distribute.zero.zero_collectives import _runs
 from tfpar.distribute.zero.zero_pacing import _pace_gradients
 from tfpar.distribute.zero.zero_reads import _update
+from tfpar.keras import compression as compression_lib
 from tfpar.keras import steps
 from tfpar.keras.replicas import replica_id, replica_in_sync
 from tfpar.plan import sharding
@@ -129,6 +131,8 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
     ctx = tf.distribute.get_replica_context()
     me = replica_in_sync()
     owner = [strategy._tfpar_shard_owners.owner_of(v) for v in variables]
+    # DataParallelStrategy(compression=...): the gradients' sums in the wire type.
+    compression = hooks_of(strategy)._tfpar_compression
     # The global gradient is clipped once every owner's is summed: its norm is the sum of
     # the owners' squared norms. (Accumulation clips its own means.)
     clipping = optimizer.clips and accumulation is None
@@ -194,7 +198,8 @@ def sharded_update(strategy, optimizer, grads, variables, learning_rate, stage, 
                     groups = _by_owner(members, [owner[i] for i in members],
                                        ctx.num_replicas_in_sync)
                     reduced, kept, sent = _own_gradients(ctx, collectives, stage, grads,
-                                                         variables, groups, ordinals, devices)
+                                                         variables, groups, ordinals, devices,
+                                                         compression)
                     transfers += [(i, sent[i]) for i in members if i in sent]
                     gradient_bytes += kept
                     owned = [(i, reduced[i], local[i]) for i in groups[me]]
@@ -231,7 +236,26 @@ def _update_groups(owners, variables):
 
 
 def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals,
-                   devices=None):
+                   devices=None, compression=None):
+    """`_reduced_gradients`, with the dense float gradients summed in the wire type of
+    `compression` ("fp16", "bf16", or None: as they are), as data parallelism sums them."""
+    n = ctx.num_replicas_in_sync
+    index = [i for g in groups for i in g]
+    squeezed = [i for i in index if compression and compression_lib.compressible(grads[i])]
+    if not squeezed:
+        return _reduced_gradients(ctx, collectives, stage, grads, variables, groups, ordinals,
+                                  devices)
+    sent = list(grads)
+    for i in squeezed:
+        sent[i] = compression_lib.to_wire(grads[i], compression, n)
+    reduced, kept, done = _reduced_gradients(ctx, collectives, stage, sent, variables, groups,
+                                             ordinals, devices, sent[squeezed[0]].dtype)
+    return ({i: compression_lib.from_wire(g, variables[i].dtype, compression, n)
+             if i in squeezed else g for i, g in reduced.items()}, kept, done)
+
+
+def _reduced_gradients(ctx, collectives, stage, grads, variables, groups, ordinals,
+                       devices=None, wire_dtype=None):
     """{variable index: summed gradient} for this replica's variables, the bytes of
     gradients the step keeps on the replica, and {variable index: the op that ends its
     gradient's transfer} where each is sent to its owner alone. (`devices`: the group's
@@ -254,7 +278,7 @@ def _own_gradients(ctx, collectives, stage, grads, variables, groups, ordinals,
     kept = (sum(num_bytes(variables[i]) for i in index) if stage == 1
             else sum(num_bytes(variables[i]) for i in whole if i in groups[me]))
     dense = [[i for i in g if i not in reduced] for g in groups]
-    dtype = variables[index[0]].dtype
+    dtype = wire_dtype or variables[index[0]].dtype
     if collectives.kind == "pairwise" and any(dense):
         # Each variable by its ordinal, which names its transfers on every worker.
         ordinal = {i: ordinals[i] for group in dense for i in group}
