@@ -51,7 +51,7 @@ def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
 # with each other, and with one process to float16's rounding only. With sync_every=3 each
 # worker steps alone and the two average their weights every 3 steps (16 steps: also after
 # fit): as two replicas of one process do (whose rule the conformance column "dp2_local"
-# checks). Three workers by halving-doubling: the third hands its gradients to the first
+# checks). ZeRO-1 with bfloat16: each gradient sent to its owner in bfloat16 (pairwise). Three workers by halving-doubling: the third hands its gradients to the first
 # and gets the sum back, the first two exchange halves (a partial last global batch of 16
 # of 136 examples split over 3 replicas: it must split, not hang). ZeRO-3 with a recipe
 # that keeps moving averages (AdamW, weight decay, global clipping, use_ema overwriting the
@@ -66,6 +66,7 @@ def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
                              (4, 128, None, 1, "hierarchical", None, "sgd", 2),
                              (3, 136, None, 1, "halving_doubling", None, "sgd", 1),
                              (2, 128, "fp16", 1, "auto", None, "sgd", 1),
+                             (2, 128, "bf16", 1, "auto", "optimizer", "sgd", 1),
                              (2, 128, None, 3, "auto", None, "sgd", 1),
                              (2, 128, None, 1, "auto", "parameters", "adamw_clip_ema", 2)])
 def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, compression,
@@ -92,9 +93,9 @@ def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, co
         names = [f"worker:{i}" for i in range(workers)]
         assert tasks.wait(names, timeout=240) == [0] * workers, tasks.output()[-4000:]
     results = [json.loads((tmp_path / f"worker-{i}.json").read_text()) for i in range(workers)]
-    options = f", compression={compression!r}" if compression else ""
+    options = f", shard={shard!r}" if shard else ""
+    options += f", compression={compression!r}" if compression else ""
     options += f", sync_every={sync_every}" if sync_every > 1 else ""
-    options += f", shard={shard!r}" if shard else ""
     wire = "ring" if communication == "auto" else communication
     for result in results:
         assert result["strategy"] == (f"DataParallelStrategy(workers={workers}, "

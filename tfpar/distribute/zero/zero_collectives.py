@@ -113,9 +113,15 @@ class ShardCollectives:
         group = group_keys.pair_key(self._key_base, min(me, other), max(me, other), n)
         common = dict(group_size=2, group_key=group, instance_key=self._instance(group, tag),
                       communication_hint="auto", timeout_seconds=self._timeout_here())
+        # TensorFlow's broadcasts carry no bfloat16 (compressed gradients): its bits go as
+        # float16's, which has the same width.
+        carried = tf.float16 if value.dtype == tf.bfloat16 else value.dtype
         if source == me:
-            return tf.raw_ops.CollectiveBcastSendV2(input=value, **common)
-        return tf.raw_ops.CollectiveBcastRecvV2(shape=value.shape, T=value.dtype, **common)
+            return tf.raw_ops.CollectiveBcastSendV2(input=tf.bitcast(value, carried)
+                                                    if carried != value.dtype else value,
+                                                    **common)
+        received = tf.raw_ops.CollectiveBcastRecvV2(shape=value.shape, T=carried, **common)
+        return tf.bitcast(received, value.dtype) if carried != value.dtype else received
 
     def reduce_to_owners(self, ctx, values, owners):
         """{key: the sum over the replicas of values[key]} for the keys this replica owns
