@@ -88,6 +88,27 @@ def test_replicas_sum_in_the_wire_type_as_the_emulation_does(compression, shard)
     assert _summed_types(strategy, model) == {WIRE[compression]}
 
 
+@pytest.mark.parametrize("compression, shard", [("bf16", None), ("fp16", "optimizer")])
+def test_pipeline_replicas_sum_each_stage_in_the_wire_type(compression, shard):
+    """R=2 pipeline replicas of 2 stages: each stage's gradients summed over its copies in
+    the wire type, the same rounding as two data-parallel replicas (a pipeline's replica
+    gradients are one device's on its half of the batch)."""
+    from conftest import cpus
+
+    strategy = tfpar.PipelineStrategy(cpus(4), num_replicas=2, num_stages=2,
+                                      num_micro_batches=2, compression=compression,
+                                      shard=shard)
+    assert f"compression={compression!r}" in repr(strategy)
+    with strategy.scope():
+        model = _model()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    got = model.get_weights()
+    emulated, exact = _emulated(compression), _emulated(None)
+    assert _difference(got, emulated) < 1e-5, _difference(got, emulated)
+    assert _mean_difference(got, exact) > 10 * max(_mean_difference(got, emulated), 1e-9)
+
+
 def _summed_types(strategy, model):
     """The types of what the replicas' gradients are summed as in a traced training step."""
     x, y = _data()

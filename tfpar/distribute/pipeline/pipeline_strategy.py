@@ -74,7 +74,7 @@ from tfpar.keras.replicas import own_loss_normalization, replica_id, xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import schedule as schedule_lib
 from tfpar.plan import sharding
-from tfpar.plan.communication import MULTI_WORKER
+from tfpar.plan.communication import MULTI_WORKER, check_compression
 
 
 class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.MirroredStrategy):
@@ -150,6 +150,9 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         by columns (its bias follows), ("model", None) by rows; an EinsumDense kernel by
         columns along a split output axis, by rows along a split contracted one. Its device mesh, if any,
         must agree on the "data", "pipe" and "model" axes' sizes (R, K, T).
+      compression: "fp16" or "bf16": the replicas' gradient sums (each stage's over its R
+        copies) made in that type, as `DataParallelStrategy(compression=...)` makes them
+        (with shard="optimizer" or "gradients" too). None: full precision.
       connect_timeout_seconds: how long the workers get to start listening.
       stage_timeout_seconds: with stages on other processes, how long a stage worker may
         stay silent (its gRPC server not answering: stopped, hung, or cut off) during
@@ -222,7 +225,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                  num_replicas=1, num_stages=None, virtual_stages=1, balance_by="params",
                  cluster_resolver=None, connect_timeout_seconds=60.0,
                  stage_timeout_seconds=120.0, offload_activations=False, shard=None,
-                 tensor_parallel=1, layout_map=None):
+                 tensor_parallel=1, layout_map=None, compression=None):
         config = PipelineConfig.resolve(
             devices=devices, num_micro_batches=num_micro_batches, schedule=schedule,
             remat=remat, num_replicas=num_replicas, num_stages=num_stages,
@@ -232,6 +235,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
             offload_activations=offload_activations, shard=shard,
             tensor_parallel=tensor_parallel, layout_map=layout_map)
         self.shard, self._tfpar_shard_stage = config.shard, config.shard_stage
+        self.compression = check_compression(compression, config.shard)
         self._schedule, self._remat, self._offload = (
             config.schedule, config.remat, config.offload_activations)
         self._balance_by, self._timing_device = config.balance_by, config.timing_device
@@ -277,6 +281,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 f"remat={self._remat}, "
                 f"{f'offload_activations={self._offload!r}, ' if self._offload else ''}"
                 f"replicas={len(self._grid)}{f', shard={self.shard!r}' if self.shard else ''}"
+                f"{f', compression={self.compression!r}' if self.compression else ''}"
                 f"{f', tensor_parallel={self._tensor_parallel}' if self._tensor_parallel > 1 else ''})")
 
     @property
@@ -468,6 +473,11 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         splits_backward = any(action.kind == schedule_lib.INPUT_GRAD
                               for order in self._schedule.stage_orders for action in order)
         return self._tfpar_shard_stage != 3 and not splits_backward
+
+    @property
+    def _tfpar_compression(self):
+        # Read by the Keras seam: the replicas' gradients summed in this type.
+        return self.compression
 
     def _tensor_group(self, devices):
         """The peer collectives of a stage's T `devices` in one replica (made once)."""
