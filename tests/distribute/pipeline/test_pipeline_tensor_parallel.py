@@ -465,6 +465,41 @@ def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_
     assert sorted(_device_index(_copies(v)[0].device) for v in query) == [1, 1, 1, 3, 3, 3]
 
 
+def _head_size_layout():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[r".*self_attention/(query|key|value)/kernel"] = (None, None, "model")
+    layout_map[r".*self_attention/attention_output/kernel"] = (None, "model", None)
+    return layout_map
+
+
+def _column_only_layout():
+    layout_map = keras.distribution.LayoutMap(None)
+    layout_map[r".*feedforward_intermediate_dense/kernel"] = (None, "model")
+    return layout_map
+
+
+@pytest.mark.parametrize("layout", [_head_size_layout, _column_only_layout])
+def test_a_block_whose_shares_need_a_whole_output_runs_on_the_first_device(layout):
+    """Attention split by head size (each device's scores would be partial sums), or an
+    MLP column read whole by an unsplit layer: each device could not compute its share of
+    the block alone, so the block runs on the stage's first device (no peer all-reduce),
+    equal to one device."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 16, (32, 8)).astype("int32")
+    y = rng.integers(0, 16, (32, 8)).astype("int32")
+    want = gpt2()
+    want.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_stages=1, num_micro_batches=2,
+                                      tensor_parallel=2, layout_map=layout())
+    with strategy.scope():
+        model = gpt2()
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
+    assert not _all_reduces(ops)
+
+
 def _llama(vocabulary=16, length=8):
     """A Llama-shaped decoder of keras-hub's blocks: rotary positions, 4 query heads sharing
     2 key/value heads, a gated MLP; causal."""

@@ -623,6 +623,29 @@ def head_split_call(attention, projections, stage_devices, gathered_calls):
     return call
 
 
+def _shares_stay_local(composite, splits):
+    """Whether each device of a block run replicated can compute its share alone: every
+    attention layer with a split projection split by heads in all four, and columns
+    outside attention split along their last axis only where a row layer reads that axis
+    split (the block's MLP: nothing but elementwise code between them). A split by head
+    size, or a column whose whole output an unsplit layer reads, needs the whole output:
+    such a block runs on the first device instead."""
+    by_id = {id(layer): split for layer, (split, _) in splits.items()}
+    in_attention = set()
+    for layer in [composite, *keras_tp.sublayers(composite)]:
+        projections = keras_tp.attention_projections(layer)
+        if projections is None:
+            continue
+        in_attention.update(id(p) for p in projections)
+        if any(id(p) in by_id for p in projections) and not _runs_by_heads(projections, by_id):
+            return False
+    others = [split for key, split in by_id.items() if key not in in_attention]
+    columns = [s for s in others if s.kind == COLUMN]
+    rows = [s for s in others if s.kind == ROW]
+    return all(s.out_axis == -1 for s in columns) and (
+        not columns or any(s.in_axis == -1 for s in rows))
+
+
 def _storage_ids(variable):
     """Ids of the TensorFlow variables a read of Keras `variable` may touch (its storage and,
     under the strategy, each copy)."""
@@ -874,7 +897,8 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
             node = next(n for n in stage.nodes if n.operation is composite)
             devices = functools.partial(stage_devices, stage.index)
             call = _composite_call(composite, _calls_within(composite, splits, devices))
-            if group_of is not None and keras_tp.replication_refusal(composite) is None:
+            if (group_of is not None and keras_tp.replication_refusal(composite) is None
+                    and _shares_stay_local(composite, splits)):
                 call = replicated_call(composite, splits, devices, group_of, call)
                 program.takes_replicated.add(id(node))
                 program.whole_values = tensor_groups.whole_values
