@@ -293,17 +293,10 @@ def replication_refusal(composite):
     cls = type(composite)
     if f"{cls.__module__}.{cls.__qualname__}" not in _REPLICABLE:
         return f"{cls.__name__} is not a block known to run replicated"
-    layers = [composite, *sublayers(composite)]
-    for layer in layers:
-        if internals.attr(layer, "_seed_generators"):
-            return f"layer {layer.name!r} draws random numbers"
-        if getattr(layer, "activity_regularizer", None) is not None:
-            return f"layer {layer.name!r} adds an activity regularization loss"
+    for layer in [composite, *sublayers(composite)]:
         if _is_attention(layer) and attention_projections(layer) is None:
             return f"attention layer {layer.name!r} cannot run by heads"
-    if composite.non_trainable_weights:
-        return "it holds non-trainable state"
-    return None
+    return repeat_refusal(composite)
 
 
 def repeat_refusal(layer):

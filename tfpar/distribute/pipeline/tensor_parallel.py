@@ -546,18 +546,33 @@ class _Shard(threading.local):
 _shard = _Shard()
 
 
-def _shard_projection(split, shards):
-    """A projection's call for the shard `_shard.index` of the heads: a column's product
-    with its kernel (and bias) shard, a row's partial product with its kernel shard (the
-    bias is added once, after the sum)."""
+def _projection_on_shard(split, shards, group=None, inputs_seen=None):
+    """A projection's call for the shard `_shard.index` of the stage's devices: a column's
+    product with its kernel (and bias) shard, a row's partial product with its kernel shard.
+    With `group` (a block run replicated): a column's input through f (one f per input
+    tensor and device: a block's query, key and value read one, `inputs_seen`), a row's
+    slice of a whole input taken, its partial product all-reduced (g) and the whole bias
+    and activation added, as every device does; without, the row's bias is added once,
+    after the sum."""
     layer, kernels = split.layer, shards[0]
     biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
 
     def call(inputs, *args, **kwargs):
         t = _shard.index
         if split.kind == COLUMN:
+            if group is not None:
+                key = (id(inputs), t)
+                if key not in inputs_seen:
+                    inputs_seen[key] = (inputs, group.f(inputs, t))
+                inputs = inputs_seen[key][1]
             return keras_tp.column_shard(layer, kernels[t], biases[t], inputs)
-        return keras_tp.row_shard(layer, kernels[t], inputs)
+        if group is None:
+            return keras_tp.row_shard(layer, kernels[t], inputs)
+        x = inputs
+        shard_size = kernels[t].shape[split.split_variables[0][1]]
+        if x.shape[split.in_axis] != shard_size:  # A whole input: this device's slice.
+            x = tf.split(x, len(kernels), split.in_axis)[t]
+        return _row_share(layer, kernels[t], group, t, x)
 
     return call
 
@@ -579,7 +594,7 @@ def head_split_call(attention, projections, stage_devices, gathered_calls):
     summed (one reduction each way, as a Megatron pair) and the bias added once.
     `projections`: {projection layer: (SplitLayer, shards)}. A call that returns the
     scores or reads a cache runs with its projections gathered (`gathered_calls`)."""
-    shard_calls = {layer: _shard_projection(split, shards)
+    shard_calls = {layer: _projection_on_shard(split, shards)
                    for layer, (split, shards) in projections.items()}
     output_split = next(split for split, _ in projections.values() if split.kind == ROW)
     own = keras_tp.own_call(attention)
@@ -654,36 +669,10 @@ def _storage_ids(variable):
     return {id(value), *(id(c) for c in copies)}
 
 
-def _replicated_projection(split, shards, group, inputs_seen):
-    """A split layer's call on device `_shard.index` of a block run replicated: a column
-    multiplies its (replicated) input by its kernel shard, through f; a row multiplies its
-    slice of the input by its shard and all-reduces the product (g), then adds the whole
-    bias and the activation, as every device does."""
-    layer, kernels = split.layer, shards[0]
-    biases = shards[1] if split.bias_split else [layer.bias] * len(kernels)
-
-    def call(inputs, *args, **kwargs):
-        t = _shard.index
-        if split.kind == COLUMN:
-            # One f per input tensor and device: a block's query, key and value read one.
-            key = (id(inputs), t)
-            if key not in inputs_seen:
-                inputs_seen[key] = (inputs, group.f(inputs, t))
-            return keras_tp.column_shard(layer, kernels[t], biases[t], inputs_seen[key][1])
-        x = inputs
-        shard_size = kernels[t].shape[split.split_variables[0][1]]
-        if x.shape[split.in_axis] != shard_size:  # A whole input: this device's slice.
-            x = tf.split(x, len(kernels), split.in_axis)[t]
-        partial = keras_tp.row_shard(layer, kernels[t], x)
-        return keras_tp.bias_and_activation(layer, group.g(partial, t))
-
-    return call
-
-
 def replicated_call(composite, splits, stage_devices, group_of, fallback):
     """The call of a block run replicated on the stage's T devices (Megatron's block):
     each device runs the block's own call on its copy of the inputs, every split layer
-    answering with that device's share (`_replicated_projection`), the row layers' sums
+    answering with that device's share (`_projection_on_shard`), the row layers' sums
     all-reduced by peer collectives (`tensor_groups.TensorGroup`), so layer norms,
     residuals and attention by heads run on every device and no device sums for the
     others. The output is `Replicated`: the next replicated block takes its copies, any
@@ -696,7 +685,7 @@ def replicated_call(composite, splits, stage_devices, group_of, fallback):
                      and split.layer.bias is not None]
 
     def call(args, kwargs, training):
-        if tf.executing_eagerly() or models.in_symbolic_scope():
+        if not _replicates(group_of):
             return fallback(tensor_groups.whole_values(args),
                             tensor_groups.whole_values(kwargs), training)
         devices, _ = stage_devices()
@@ -714,7 +703,7 @@ def replicated_call(composite, splits, stage_devices, group_of, fallback):
             elif tf.is_tensor(x) and id(x) not in copies:
                 copies[id(x)] = tensor_groups.enter(x, devices)
         inputs_seen = {}
-        projections = {split.layer: _replicated_projection(split, shards, group, inputs_seen)
+        projections = {split.layer: _projection_on_shard(split, shards, group, inputs_seen)
                        for split, shards in splits.values()}
         outputs = []
         rows = [split.layer for split, _ in splits.values() if split.kind == ROW]
@@ -731,7 +720,7 @@ def replicated_call(composite, splits, stage_devices, group_of, fallback):
                     finally:
                         _shard.index = None
 
-                keep = None if t == 0 else (lambda v: id(v) in own)
+                keep = None if t == 0 else functools.partial(_is_storage_of, own)
                 outputs.append(placed(run, device, shard_args, shard_kwargs, keep))
         flat = [tf.nest.flatten(o) for o in outputs]
         return tf.nest.pack_sequence_as(outputs[0], [
@@ -861,8 +850,12 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
     `tensor_groups.TensorGroup` (split layers and blocks run with peer collectives, in a
     function), or None. Returns the stages with their variables replaced by shards."""
     stages = []
+    if group_of is not None:
+        program.whole_values = tensor_groups.whole_values
+    model_inputs = {id(t) for t in program.graph.inputs}
     for stage in program.stages:
         homes = shard_homes(stage.index)
+        devices = functools.partial(stage_devices, stage.index)
         split_ids = set()
         inner = {}  # id(composite layer) -> (it, {its split layer: the call run for it})
         held = {id(layer) for layer in stage.layers}
@@ -876,7 +869,6 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
                 program.substitutes[id(variable)] = made
                 split_ids.add(id(variable))
                 shards.append(made)
-            devices = functools.partial(stage_devices, stage.index)
             if split.within is not None:
                 inner.setdefault(id(split.within), (split.within, {}))[1][split.layer] = (
                     split, shards)
@@ -892,23 +884,18 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
                 program.calls[id(node)] = row_call(split, shards, devices, group_of)
             if group_of is not None:
                 program.takes_replicated.add(id(node))
-                program.whole_values = tensor_groups.whole_values
         for composite, splits in inner.values():
             node = next(n for n in stage.nodes if n.operation is composite)
-            devices = functools.partial(stage_devices, stage.index)
             call = _composite_call(composite, _calls_within(composite, splits, devices))
             if (group_of is not None and keras_tp.replication_refusal(composite) is None
                     and _shares_stay_local(composite, splits)):
                 call = replicated_call(composite, splits, devices, group_of, call)
                 program.takes_replicated.add(id(node))
-                program.whole_values = tensor_groups.whole_values
             program.calls[id(node)] = call
         if group_of is not None:
-            devices = functools.partial(stage_devices, stage.index)
             for node in stage.nodes:
                 if (id(node) not in program.calls and _no_larger_than_input(node)
                         and keras_tp.repeat_refusal(node.operation) is None):
-                    model_inputs = {id(t) for t in program.graph.inputs}
                     program.calls[id(node)] = _repeated_where_replicated(
                         node.operation, devices, group_of,
                         any(id(t) in model_inputs for t in node.input_tensors))
