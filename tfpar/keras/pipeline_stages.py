@@ -66,6 +66,9 @@ class StageProgram:
         # tensor of it (`tensor_groups.whole_values`).
         self.takes_replicated = set()
         self.whole_values = None
+        # Set with those: how a stage's values cross to the next one in a training step
+        # (`tensor_parallel.Crossings`: Megatron's scatter-gather), or None (whole).
+        self.crossings = None
 
     def optimizer_variables(self, variables):
         """`variables` with each split variable replaced by its shards, in order."""
@@ -89,12 +92,14 @@ class StageProgram:
         """The model's inputs as the flat list stage 0 takes (like Functional.call)."""
         return list(internals.attr(self.model_graph, "_standardize_inputs")(inputs))
 
-    def run(self, index, inputs, training):
+    def run(self, index, inputs, training, crossing=False):
         """Runs stage `index` on its input: the flat input list for stage 0, else what the
         previous stage returned.
 
         Returns what the next stage takes (a tensor, or a tuple when model inputs cross with
-        the activation), or the model's outputs.
+        the activation), or the model's outputs. With `crossing` (a training step's, whose
+        executor anchors each value where it is marked to go), values held on several
+        devices cross as `self.crossings` says.
 
         Each call of the stage in turn, from a dict of computed tensors, as Keras'
         `Function._run_through_graph` runs a whole graph. (Not a Keras `Function` of the
@@ -107,7 +112,12 @@ class StageProgram:
         unpack_singleton = internals.symbol("keras.src.models.functional.unpack_singleton")
         stage = self.stages[index]
         starts = list(self.graph.inputs) if index == 0 else list(stage.input_tensors)
+        crossings = self.crossings if crossing else None
+        if crossings is not None:
+            inputs = crossings.arrive(index, inputs)
         values = {id(t): v for t, v in zip(starts, keras.tree.flatten(inputs))}
+        if crossings is not None and index == 0:
+            values = crossings.fed(values, stage)
         whole = self.whole_values or (lambda structure: structure)
         for node in stage.nodes:
             args, kwargs = node.arguments.fill_in(values)
@@ -121,7 +131,9 @@ class StageProgram:
             for symbolic, value in zip(node.outputs, keras.tree.flatten(outputs)):
                 values[id(symbolic)] = value
         if stage.output_tensors:
-            passed = tuple(whole(values[id(t)]) for t in stage.output_tensors)
+            leave = (whole if crossings is None
+                     else lambda value: crossings.leave(index, value, whole))
+            passed = tuple(leave(values[id(t)]) for t in stage.output_tensors)
             return passed[0] if len(passed) == 1 else passed
         return unpack_singleton(keras.tree.map_structure(
             lambda t: whole(values[id(t)]), internals.attr(self.graph, "_outputs_struct")))

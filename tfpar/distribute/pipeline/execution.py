@@ -94,19 +94,29 @@ def _start_marker():
                                     seed=1, seed2=1, name="start")
 
 
-def _anchor(structure):
-    """An identity of each tensor, made in the current device and control scopes.
+def _anchor(structure, homes=None):
+    """An identity of each tensor, made in the current device and control scopes: on the
+    current device, or on the device the tensor is marked for (`_tfpar_home`: a slice of a
+    tensor-parallel stage's output goes to the next stage's device of the same rank), or
+    given in `homes` (one per tensor, None: the current device).
 
     Keras masks riding on the tensors are kept.
     """
-    def copy(x):
+    flat = tf.nest.flatten(structure)
+    homes = list(homes) if homes is not None else [None] * len(flat)
+    copies = []
+    for x, home in zip(flat, homes + [None] * (len(flat) - len(homes))):
         if not isinstance(x, tf.Tensor):
-            return x
-        y = tf.identity(x)
+            copies.append(x)
+            continue
+        home = home or getattr(x, "_tfpar_home", None)
+        with tf.device(home) if home else contextlib.nullcontext():
+            y = tf.identity(x)
         models.keep_mask(x, y)
-        return y
-
-    return tf.nest.map_structure(copy, structure)
+        if home:
+            y._tfpar_home = home
+        copies.append(y)
+    return tf.nest.pack_sequence_as(structure, copies)
 
 
 def micro_batch_sizes(size, num_micro_batches, nonempty):
@@ -245,6 +255,9 @@ class TrainStep:
         self.inputs = [[None] * m for _ in range(k)]  # What each chunk reads, per micro-batch.
         self.kept = [[None] * m for _ in range(k)]  # Tapes, or inputs under remat.
         self.upstream = [[None] * m for _ in range(k)]  # Gradient of each chunk's output.
+        # Where each float output of a chunk was made, when not on the chunk's device (the
+        # slices a tensor-parallel stage passes on): its gradient comes back there.
+        self.output_homes = [[None] * m for _ in range(k)]
         # A split backward: what the input-gradient pass (I) leaves to the weight pass (W).
         self.split = any(a.kind == INPUT_GRAD for order in schedule.stage_orders for a in order)
         self.for_weights = [[None] * m for _ in range(k)]
@@ -353,7 +366,7 @@ class TrainStep:
     def _stage(self, action, x, rerun=False):
         """Runs stage s on x. Returns (output for the next stage, differentiable targets)."""
         s, m = action.stage, action.micro_batch
-        y = self.program.run(s, x, training=True)
+        y = self.program.run(s, x, training=True, crossing=True)
         last = s == self.last_chunk
         if self.custom_loss:
             aux = []
@@ -471,6 +484,7 @@ class TrainStep:
         self._done(action, tensors_of(targets))
         if y is not None:
             self.inputs[s + 1][m] = y
+            self.output_homes[s][m] = [getattr(t, "_tfpar_source", None) for t in _floats(y)]
 
     def _on_offload_device(self, s, x):
         """x, or a copy of it made on chunk s's offload device in the current scopes. After
@@ -491,7 +505,7 @@ class TrainStep:
         with self._in_order(action):
             upstream = None if last else self.upstream[s][m]
             if last or upstream is not None:
-                upstream = None if last else _anchor(upstream)
+                upstream = None if last else _anchor(upstream, self.output_homes[s][m])
                 with tf.control_dependencies(tensors_of(upstream)):  # Starts when it is here.
                     done += self._vjp(action, upstream)
             self.kept[s][m] = None

@@ -842,6 +842,53 @@ def make_shards(variable, axis, homes):
     return tuple(shards)
 
 
+class Crossings:
+    """How a replicated stage's values cross to the next stage in a training step, and how a
+    replicated first stage takes the model's inputs (Megatron's scatter-gather: each of the
+    T links carries 1/T of an activation, the group all-gathers the rest;
+    `tensor_groups.scatter_rows`). Values whose rows do not split into T static parts
+    cross whole, through the stage's first device, as outside a training step."""
+
+    def __init__(self, program, stage_devices, group_of):
+        self._program, self._stage_devices, self._group_of = program, stage_devices, group_of
+
+    def _group(self, index):
+        devices, _ = self._stage_devices(index)
+        return self._group_of(devices)
+
+    def leave(self, index, value, whole):
+        if not isinstance(value, tensor_groups.Replicated) or not _replicates(self._group_of):
+            return whole(value)
+        next_devices, _ = self._stage_devices(index + 1)
+        sliced = tensor_groups.scatter_rows(value, self._group(index), next_devices)
+        return whole(value) if sliced is None else sliced
+
+    def arrive(self, index, inputs):
+        def gathered(x):
+            return (tensor_groups.gather_rows(x, self._group(index))
+                    if isinstance(x, tensor_groups.Sliced) else x)
+
+        if isinstance(inputs, tuple) and not isinstance(inputs, tensor_groups.Sliced):
+            return tuple(gathered(x) for x in inputs)
+        return gathered(inputs)
+
+    def fed(self, values, stage):
+        """`values` (the model's inputs by id of their symbolic tensors) with each one that a
+        replicated node of the first stage reads spread over the stage's devices."""
+        if not _replicates(self._group_of):
+            return values
+        read = {id(t) for node in stage.nodes if id(node) in self._program.takes_replicated
+                for t in node.input_tensors}
+        group, spread = None, dict(values)
+        for key, x in values.items():
+            if key in read and tf.is_tensor(x):
+                group = group or self._group(stage.index)
+                replicated = tensor_groups.spread_rows(x, group)
+                if replicated is not None:
+                    spread[key] = replicated
+        return spread
+
+
 def split_program(program, planned, shard_homes, stage_devices, group_of=None):
     """Gives each planned layer's split variables their shards and the program the split
     calls. `shard_homes(stage_index)`: for each of the stage's T devices, its device in
@@ -852,6 +899,7 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
     stages = []
     if group_of is not None:
         program.whole_values = tensor_groups.whole_values
+        program.crossings = Crossings(program, stage_devices, group_of)
     model_inputs = {id(t) for t in program.graph.inputs}
     for stage in program.stages:
         homes = shard_homes(stage.index)
