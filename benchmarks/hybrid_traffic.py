@@ -6,7 +6,7 @@ that runs the program, 4 workers that hold the stages, one CPU device each, all 
 private network namespace), `tfpar.PipelineStrategy(num_replicas=R, num_stages=K,
 tensor_parallel=T, shard=..., cluster_resolver=...)`. The chief reads the namespace's
 loopback counters (`/proc/net/dev`, bytes sent by every process of the job) before and
-after `--steps` steps of `train_on_batch` (after 2 warm-up steps) and divides. The formula
+after `--steps` steps of `fit` (after a fit of 2 warm-up steps) and divides. The formula
 (`tfpar.plan.communication.layout_step_bytes`) counts the gradient reduction over the data
 axis, the stage boundaries' activations and their gradients, the tensor-parallel pairs'
 reductions, plus the batch the chief sends each step; the wire adds gRPC framing and the
@@ -66,39 +66,54 @@ def loopback_sent():
 
 
 def bytes_by_task():
-    """{task name: [bytes sent, bytes received]} over the TCP sockets of this network
-    namespace (`ss`: each socket's bytes acked and received, attributed to its process,
-    named by the TF_CONFIG in its environment; processes without one are "other")."""
+    """({task name: [bytes sent, bytes received]}, {(task, peer task): bytes sent}) over the
+    TCP sockets of this network namespace (`ss`: each socket's bytes acked and received,
+    attributed to its process, named by the TF_CONFIG in its environment, and its peer to
+    the process owning the peer's address; processes without one are "other")."""
     import re
     import subprocess as sp
 
     out = sp.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
-    by_pid, pid = {}, None
+    sockets, current = [], None  # [pid, local, peer, sent, received]
     for line in out.splitlines():
         if not line[:1].isspace():
+            fields = line.split()
             found = re.search(r"pid=(\d+)", line)
-            pid = int(found[1]) if found else None
+            current = [int(found[1]) if found else None, fields[3] if len(fields) > 4 else None,
+                       fields[4] if len(fields) > 4 else None, 0, 0]
+            sockets.append(current)
             continue
         sent, received = (re.search(rf"{key}:(\d+)", line) for key in ("bytes_acked",
                                                                            "bytes_received"))
-        if pid is not None:
-            totals = by_pid.setdefault(pid, [0, 0])
-            totals[0] += int(sent[1]) if sent else 0
-            totals[1] += int(received[1]) if received else 0
-    tasks = {}
-    for pid, (sent, received) in by_pid.items():
-        name = "other"
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            task = json.loads(env[b"TF_CONFIG"])["task"]
-            name = f"{task['type']}:{task['index']}"
-        except (OSError, KeyError, ValueError):
-            pass
-        totals = tasks.setdefault(name, [0, 0])
+        if current is not None:
+            current[3] += int(sent[1]) if sent else 0
+            current[4] += int(received[1]) if received else 0
+    owner = {local: pid for pid, local, _, _, _ in sockets if pid is not None}
+    names = {}
+
+    def name_of(pid):
+        if pid not in names:
+            names[pid] = "other"
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0")
+                               if b"=" in item)
+                task = json.loads(env[b"TF_CONFIG"])["task"]
+                names[pid] = f"{task['type']}:{task['index']}"
+            except (OSError, KeyError, ValueError, TypeError):
+                pass
+        return names[pid]
+
+    tasks, pairs = {}, {}
+    for pid, _, peer, sent, received in sockets:
+        if pid is None:
+            continue
+        totals = tasks.setdefault(name_of(pid), [0, 0])
         totals[0] += sent
         totals[1] += received
-    return tasks
+        pair = (name_of(pid), name_of(owner[peer]) if peer in owner else "other")
+        pairs[pair] = pairs.get(pair, 0) + sent
+    return tasks, pairs
 
 
 def measure(layout, args):
@@ -123,19 +138,25 @@ def measure(layout, args):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.global_batch, args.width), dtype=np.float32)
     y = (np.arange(args.global_batch) % 10).astype("int32")
-    for _ in range(2):
-        model.train_on_batch(x, y)
-    before, tasks_before = loopback_sent(), bytes_by_task()
-    for _ in range(args.steps):
-        model.train_on_batch(x, y)
+    # fit, not train_on_batch: Keras' train_on_batch hands every replica the whole batch
+    # (under stock MirroredStrategy too), which doubles each replica's work at R=2.
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+    before, (tasks_before, pairs_before) = loopback_sent(), bytes_by_task()
+    model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
     sent = (loopback_sent() - before) / args.steps
-    tasks_after = bytes_by_task()
+    tasks_after, pairs_after = bytes_by_task()
     per_task = {name: [(a - b) / args.steps for a, b in zip(
         tasks_after[name], tasks_before.get(name, [0, 0]))] for name in tasks_after}
+    per_pair = {f"{a} -> {b}": (sent - pairs_before.get((a, b), 0)) / args.steps
+                for (a, b), sent in pairs_after.items()
+                if sent - pairs_before.get((a, b), 0) > 0}
     boundary = 4 * args.width * args.global_batch // r // args.micro_batches
+    replica_input = x.nbytes // r  # What a tensor-parallel first stage all-gathers.
     formula = communication.layout_step_bytes(
         4 * model.count_params(), boundary, r, k, t, sharding.STAGES[shard],
-        args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k)
+        args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k,
+        input_bytes=replica_input)
     formula["inputs"] = x.nbytes + y.nbytes
     # Each worker's role: worker w is device (replica, stage, rank) in the strategy's grid,
     # numbered replica-major, rank innermost.
@@ -145,10 +166,10 @@ def measure(layout, args):
         per_device[f"worker:{w}"] = sum(communication.device_step_bytes(
             4 * model.count_params(), boundary, stage, r, k, t, sharding.STAGES[shard],
             args.micro_batches, layer_pairs_per_stage=args.layers // 2 // k,
-            rank=rank).values())
+            rank=rank, input_bytes=replica_input).values())
     per_device["chief:0"] = formula["inputs"]
     return {"measured": sent, "formula": formula, "per_task": per_task,
-            "per_task_formula": per_device}
+            "per_task_formula": per_device, "per_pair": per_pair}
 
 
 def run_layout(layout, args):
@@ -214,6 +235,10 @@ def main():
         print("    sent by task (formula): " + ", ".join(
             f"{name} {sends[name] / mib:.2f} ({result['per_task_formula'][name] / mib:.2f})"
             for name in tasks) + f"; busiest {busiest}", flush=True)
+        print(f"    {busiest} sent to: " + ", ".join(
+            f"{pair.split(' -> ')[1]} {sent / mib:.2f}"
+            for pair, sent in sorted(result["per_pair"].items())
+            if pair.startswith(f"{busiest} -> ")), flush=True)
     write_json(args.out, {"benchmark": "hybrid_traffic",
                           "command": command_line("hybrid_traffic", argparse.Namespace(**{
                               k: v for k, v in vars(args).items() if k != "layout"})),

@@ -14,6 +14,9 @@ Bytes per step, per device (the busiest), from the Megatron-LM and DeepSpeed pap
       M micro-batches, K stages                        stage; the first or last sends one way)
     tensor parallel over T, L column+row layer pairs,  L M 2 x 2 (T-1)/T A (one all-reduce
       output A per micro-batch                         forward, one backward, per pair)
+    ... and its stage boundaries (Megatron's           M A / T to the neighbour stage's
+      scatter-gather), per neighbour and direction     same rank + M (T-1)/T A all-gathered
+    ... and the first stage's input, B per step        (T-1)/T B all-gathered
 """
 
 from tfpar.errors import CommunicationError
@@ -182,56 +185,67 @@ def tensor_parallel_bytes(activation_bytes, tensor_parallel, num_layer_pairs,
 
 def device_step_bytes(gradient_bytes, boundary_bytes, stage=0, num_replicas=1, num_stages=1,
                       tensor_parallel=1, zero_stage=0, num_micro_batches=1,
-                      layer_pairs_per_stage=0, rank=0):
+                      layer_pairs_per_stage=0, rank=0, input_bytes=0):
     """Bytes one device (stage `stage`, tensor-parallel `rank`) of an R x K x T layout sends
     in one training step, by axis: {"data", "pipe", "model"} (arguments as
     `layout_step_bytes`). Its share of its stage's gradients (an even K x T-th of one
-    copy's) in a ring over the R replicas; on a stage's first device (rank 0), each
-    micro-batch's activation to the next stage and its gradient to the previous one (none
-    past either end); its tensor-parallel pairs' all-reduces. Under ZeRO-3 a pipeline
-    replica reads its stage's weights from their owners once per step (not per layer and
-    again in the backward, as data parallelism does): the bytes of ZeRO-1, a reduce-scatter
-    and an all-gather.
+    copy's) in a ring over the R replicas; each micro-batch's activation to the next stage
+    and its gradient to the previous one (none past either end); its tensor-parallel pairs'
+    all-reduces. Under tensor parallelism every rank sends 1/T of each boundary tensor to the
+    same rank of the neighbour stage, and the ranks all-gather the rest (Megatron's
+    scatter-gather), and the first stage's ranks all-gather the replica's input
+    (`input_bytes` per step) from the slices fed to each. Under ZeRO-3 a pipeline replica
+    reads its stage's weights from their owners once per step (not per layer and again in
+    the backward, as data parallelism does): the bytes of ZeRO-1, a reduce-scatter and an
+    all-gather.
 
     >>> device_step_bytes(1000, 10, stage=0, num_replicas=2, num_stages=2, num_micro_batches=4)
-    {'data': 500.0, 'pipe': 40, 'model': 0}
+    {'data': 500.0, 'pipe': 40.0, 'model': 0}
+    >>> device_step_bytes(0, 10, stage=0, num_stages=2, tensor_parallel=2, num_micro_batches=4,
+    ...                   rank=1, input_bytes=80)
+    {'data': 0, 'pipe': 20.0, 'model': 60.0}
     """
     r, k, t, m = num_replicas, num_stages, tensor_parallel, num_micro_batches
     if not 0 <= stage < k:
         raise ValueError(f"stage must be in [0, {k}). Received: {stage!r}")
-    neighbours = (stage > 0) + (stage < k - 1) if rank == 0 else 0
+    if not 0 <= rank < t:
+        raise ValueError(f"rank must be in [0, {t}). Received: {rank!r}")
+    neighbours = (stage > 0) + (stage < k - 1)
+    gathered = (neighbours * m * boundary_bytes + (input_bytes if stage == 0 else 0)) * (t - 1) / t
     return {"data": data_parallel_bytes(gradient_bytes / (k * t), r, min(zero_stage, 1))
             if r > 1 else 0,
-            "pipe": neighbours * m * boundary_bytes,
+            "pipe": neighbours * m * boundary_bytes / t,
             "model": tensor_parallel_bytes(boundary_bytes, t, layer_pairs_per_stage, m)
-            if t > 1 else 0}
+            + gathered if t > 1 else 0}
 
 
 def layout_step_bytes(gradient_bytes, boundary_bytes, num_replicas=1, num_stages=1,
                       tensor_parallel=1, zero_stage=0, num_micro_batches=1,
-                      layer_pairs_per_stage=0):
+                      layer_pairs_per_stage=0, input_bytes=0):
     """Bytes all the devices of an R x K x T layout send in one training step, by axis
     (the Megatron/DeepSpeed formulas summed over the devices, `device_step_bytes`):
     {"data", "pipe", "model"}.
 
     `gradient_bytes`: one model copy's gradients; `boundary_bytes`: one micro-batch's
     activation between two stages, and the output of each tensor-parallel layer pair (a
-    column then a row layer), `layer_pairs_per_stage` of them in each stage. A reduction
+    column then a row layer), `layer_pairs_per_stage` of them in each stage; `input_bytes`:
+    one replica's batch per step, which a tensor-parallel first stage all-gathers. A reduction
     that sums on one device and sends the sum back moves as many bytes in all as a ring
     does, so these totals hold for both.
 
     >>> layout_step_bytes(1000, 10, num_replicas=2, num_stages=2, num_micro_batches=4)
-    {'data': 2000.0, 'pipe': 160, 'model': 0}
+    {'data': 2000.0, 'pipe': 160.0, 'model': 0}
     >>> layout_step_bytes(1000, 10, num_stages=2, tensor_parallel=2, num_micro_batches=4,
     ...                   layer_pairs_per_stage=2)
-    {'data': 0, 'pipe': 80, 'model': 640.0}
+    {'data': 0, 'pipe': 80.0, 'model': 720.0}
     """
     total = {"data": 0, "pipe": 0, "model": 0}
     for stage in range(num_stages):
         for rank in range(tensor_parallel):
             device = device_step_bytes(gradient_bytes, boundary_bytes, stage, num_replicas,
                                        num_stages, tensor_parallel, zero_stage,
-                                       num_micro_batches, layer_pairs_per_stage, rank)
+                                       num_micro_batches, layer_pairs_per_stage, rank,
+                                       input_bytes)
             for axis, value in device.items():
                 total[axis] += num_replicas * value
     return total

@@ -695,3 +695,87 @@ def test_the_degrees_and_devices_can_be_said_once_by_the_layout_maps_device_mesh
     rows[".*mlp_in_0/kernel"] = (None, "rows")
     with pytest.raises(ValueError, match=r"axes \['rows'\], which a PipelineStrategy does not"):
         tfpar.PipelineStrategy(layout_map=rows)
+
+
+def _float_edges(ops, within_actions=True):
+    """(producer device, consumer device, elements, producer op) for each float tensor an op
+    reads from another device, once per (tensor, device); without shape-only readers."""
+    seen, edges = set(), []
+    for op in ops:
+        if op.type in ("ZerosLike", "Shape", "OnesLike"):
+            continue  # (Only the shape is read: grappler sends no values for these.)
+        for x in op.inputs:
+            if not x.dtype.is_floating or not x.op.device or not op.device:
+                continue
+            a, b = _device_index(x.op.device), _device_index(op.device)
+            if a == b or (x.name, b) in seen:
+                continue
+            if within_actions and (_action_of(x.op) is None or _action_of(op) is None):
+                continue
+            seen.add((x.name, b))
+            edges.append((a, b, x.shape.num_elements(), x.op))
+    return edges
+
+
+def test_stage_boundaries_cross_rank_to_rank_by_slices_and_all_gathers():
+    """Megatron's scatter-gather between two tensor-parallel stages (K=2 x T=2): device t of
+    stage 0 sends its t-th slice of rows of each micro-batch's activation to device t of
+    stage 1 (CPU 2 + t), which all-gather; the gradient comes back the same way, slice by
+    slice, and stage 0's devices all-gather it. No whole activation leaves one device for
+    the next stage, and no copy of a stage's output is sent to its first device (the
+    slices' shapes are those of one rank's rows: 1/T of the micro-batch)."""
+    strategy, model = _trained("sgd_momentum", "1f1b")
+    ops = _traced_step(strategy, model).get_operations()
+    rows = BATCH // M
+    crossing = [(a, b, n) for a, b, n, _ in _float_edges(ops) if (a < 2) != (b < 2)]
+    assert crossing, "nothing crossed between the stages"
+    assert sorted({(a, b) for a, b, _ in crossing}) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert {n for _, _, n in crossing} == {rows // 2 * H}, crossing
+    assert len(crossing) == 2 * 2 * M  # Each rank, each way, each micro-batch.
+    gathers = [op for op in ops if op.type == "CollectiveGatherV2"
+               and tensor_groups.ALL_GATHER in op.name]
+    for d in range(4):
+        mine = [_action_of(op) for op in gathers if _device_index(op.device) == d]
+        # Stage 1 gathers each micro-batch's slices; stage 0 each one's gradient slices.
+        assert mine.count("F" if d >= 2 else "B") == M, (d, mine)
+    # Within a stage the first device copies the others what it alone computed (the
+    # embedding's output, the loss's gradient): nothing is sent to it but scalars (the
+    # ties of `tensor_groups.leave`, not each copy of the stage's output).
+    within = [(a, b, n) for a, b, n, _ in _float_edges(ops) if (a < 2) == (b < 2)]
+    assert all(n is not None and n <= rows * H for _, _, n in within), within
+    assert not [(a, b, n) for a, b, n in within if a > b and n > 1], within
+
+
+def test_a_first_column_layer_reads_its_input_spread_from_where_it_is_fed():
+    """A model whose first layer is a column layer (T=2, one stage): the micro-batch is cut
+    where it is fed (CPU 0), each device gets its half of the rows and all-gathers the
+    rest, as Megatron's ranks share a batch; training equals one device."""
+    from tfpar.cli.train import megatron_layout_map
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((12,))] + [
+            keras.layers.Dense(16, activation="relu", name=f"hidden_{i}") for i in range(2)]
+            + [keras.layers.Dense(3, name="head")])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 12)).astype("float32"), rng.normal(size=(32, 3)).astype(
+        "float32")
+    want = make()
+    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=M, tensor_parallel=2,
+                                      layout_map=megatron_layout_map(2))
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
+    sent = [n for a, b, n, _ in _float_edges(ops, within_actions=False) if (a, b) == (0, 1)]
+    rows = 16 // M
+    assert rows // 2 * 12 in sent and rows * 12 not in sent, sent
+    gathers = [op for op in ops if op.type == "CollectiveGatherV2"
+               and tensor_groups.ALL_GATHER in op.name and _action_of(op) == "F"]
+    assert sorted(_device_index(op.device) for op in gathers) == [0] * M + [1] * M
