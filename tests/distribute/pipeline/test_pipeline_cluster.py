@@ -150,13 +150,14 @@ def test_the_training_binary_pipelines_across_workers_under_the_launcher():
 HYBRID_CHIEF = os.path.join(HERE, "workers", "hybrid_chief.py")
 
 
-HYBRID_LAYOUTS = {"zero3": "2,2,1,parameters", "tp_zero1": "2,1,2,optimizer"}
+HYBRID_LAYOUTS = {"zero3": "2,2,1,parameters", "tp_zero1": "2,1,2,optimizer",
+                  "tp_zero3": "2,1,2,parameters"}
 
 
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
     """Runs hybrid_chief.py (the Megatron MLP, Adam, 2 epochs against one device) under
-    `tfpar launch --workers=4 --coordinator --hosts=2`, once for both layouts; {name: its
+    `tfpar launch --workers=4 --coordinator --hosts=2`, once for all layouts; {name: its
     results}. Two simulated hosts (network namespaces, an address each, a virtual link):
     the chief and workers 0-1 on the first, workers 2-3 on the second, so each stage's
     replicas (tasks s and 2 + s) reduce and gather across the hosts' link, and each
@@ -610,3 +611,21 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
         assert held <= result["written"][f"worker:{index}"] <= 1.01 * held, result
     assert result["written"]["chief:0"] < 0.01 * sum(held for _, held in stages), result
     assert len(list(out.glob("ckpt.data-*"))) == 3  # A shard per host, the chief's too.
+
+
+@pytest.mark.slow
+def test_tensor_parallel_replicas_with_zero_3_run_replicated_across_worker_processes(hybrids):
+    """R=2 replicas x T=2 over four worker processes, shard='parameters': each weight (each
+    shard of a split one) lives on one owner, and each replica's two devices still run the
+    stage replicated, summing by peer all-reduces on every worker (before session 30 ZeRO-3
+    summed on each replica's first device)."""
+    result = hybrids["tp_zero3"]
+    assert result["difference"] < 1e-5, result
+    assert result["tensor_communication"] == [["all_reduce"]] * 2, result
+    reductions = result["tensor_reductions"]
+    assert sorted(_task(d) for d in reductions) == [0, 1, 2, 3], reductions
+    assert all(set(t) == {"CollectiveReduceV2"} for t in reductions.values()), reductions
+    for path, devices in result["weights"].items():
+        split = re.search(r"mlp_(in_\d/(kernel|bias)|out_\d/kernel)$", path)
+        # A split weight: one owner per shard (shard t on task t or t + 2); else one owner.
+        assert len(devices) == (2 if split else 1), (path, devices)

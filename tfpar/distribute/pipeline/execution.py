@@ -576,9 +576,16 @@ class TrainStep:
             done += [g for g in grads[:len(inputs)] if g is not None]
         if action.kind == INPUT_GRAD:
             # One gradient computation, no work twice: the ops only the weight gradients
-            # need wait for W's turn (W adds them a control input).
+            # need wait for W's turn (W adds them a control input). Collectives stay in I
+            # (a tensor-parallel stage's backward all-reduces, which the first stage needs
+            # for its weights alone): each device runs its collectives in the order they
+            # were built (an ordering token), so one deferred to W would hold every later
+            # collective of the device, and the forwards between I and W behind it.
+            made = graph.get_operations()[made_before:]
+            collectives = [t for op in made if op.type.startswith("Collective")
+                           for t in op.outputs]
             self.for_weights[s][m] = (weights, _only_for(
-                graph.get_operations()[made_before:], tensors_of(weights), tensors_of(sent)))
+                made, tensors_of(weights), tensors_of(sent) + collectives))
             return done
         return done + self._add(variables, weights)
 

@@ -331,9 +331,8 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
     def tensor_communication(self):
         """How each tensor-parallel group sums in a traced step (`tensor_communication[r][s]`:
         replica r's stage s): "all_reduce" (the stage runs replicated, its sums all-reduced
-        by peer collectives: NCCL on GPUs, a ring on CPUs); under ZeRO-3 or a zero-bubble
-        schedule "nccl" on GPUs (over several processes, NCCL's collective all-reduce), else
-        "reduce_to_one" (an add on the stage's first device)."""
+        by peer collectives: NCCL on GPUs, a ring on CPUs, in one process or across
+        processes)."""
         if self._peer_tensor_groups():
             return [["all_reduce"] * len(row) for row in self._tp_grid]
         return [[tensor_parallel_lib.communication_of(devices) for devices in row]
@@ -466,13 +465,9 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         return devices, communication
 
     def _peer_tensor_groups(self):
-        """Whether tensor-parallel stages run replicated with peer collectives: not under
-        ZeRO-3 (each weight read from its owner) nor a schedule that defers weight
-        gradients (zero bubble: a deferred collective would wait, through its device's
-        ordering token, for one built after it)."""
-        splits_backward = any(action.kind == schedule_lib.INPUT_GRAD
-                              for order in self._schedule.stage_orders for action in order)
-        return self._tfpar_shard_stage != 3 and not splits_backward
+        """Whether tensor-parallel stages run replicated with peer collectives (in a traced
+        step; eager steps sum on each stage's first device)."""
+        return True
 
     @property
     def _tfpar_compression(self):

@@ -30,12 +30,13 @@ In a traced step a stage runs replicated, as Megatron runs it: every device runs
 stage's split layers' shares, the blocks that can (`replicated_call`) and the small unsplit
 layers, a row layer's partial products are all-reduced onto every device and a column
 layer's input gradients too, by peer collectives (`tensor_groups`: NCCL on GPUs, a ring on
-CPUs, in one process or several). Eagerly, under ZeRO-3 and with zero-bubble schedules the
-reductions sum T tensors onto the stage's first device instead: with NCCL when the stage's
-devices are GPUs of this process (`select_communication`: a `NcclReduce`), else an add on
-that device (`"reduce_to_one"`); GPUs of several processes all-reduce by NCCL's collective
-(peers; TensorFlow's in-process NCCL ops would hang there), CPUs of several processes add on
-the first device (`communication_of`). Each shard's forward and backward run on its device
+CPUs, in one process or several), and activations cross between stages by scatter-gather
+(`Crossings`). Eagerly, and in blocks tfpar cannot run replicated, the reductions sum T
+tensors onto the stage's first device instead: with NCCL when the stage's devices are GPUs
+of this process (`select_communication`: a `NcclReduce`), else an add on that device
+(`"reduce_to_one"`); devices of several processes all-reduce by peer collectives (NCCL's
+on GPUs, TensorFlow's in-process NCCL ops would hang there; the ring on CPUs) and use the
+first device's result (`communication_of`). Each shard's forward and backward run on its device
 (`placed_call`). What cannot be split is refused when the model is placed, before the
 first step, naming the layer and the layout key.
 """
@@ -57,7 +58,7 @@ from tfpar.keras import models
 from tfpar.keras import split_variables as keras_tp
 from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
-from tfpar.plan.communication import select_communication
+from tfpar.plan.communication import RING, select_communication
 
 MODEL_AXIS = "model"
 COLUMN, ROW = "column", "row"
@@ -317,16 +318,16 @@ def _plan_layer(layer, layout_map, t):
 
 
 def communication_of(devices):
-    """How a stage's reductions run over its T `devices`: "nccl" on GPUs of this process,
-    else "reduce_to_one" (an add on the first device). Over GPUs of several processes,
-    where TensorFlow's in-process NCCL ops cannot run: "nccl", an all-reduce by the
-    collectives' NCCL implementation (peers, no root). Over CPUs of several processes still
-    the add on the first device: TensorFlow's ring of CPU collectives over gRPC measured
-    more bytes at every process (BUILD_NOTES, "Tensor parallelism and hybrids")."""
+    """How the sums of a stage's T `devices` run where its blocks cannot run replicated
+    (eager steps, block classes tfpar does not know): "nccl" on GPUs of this process (its
+    in-process NCCL ops), else "reduce_to_one" (an add on the first device, which runs
+    the block). Over devices of several processes, where TensorFlow's in-process NCCL ops
+    cannot run and no device may sum for the others: an all-reduce by peer collectives,
+    "nccl" on GPUs, "ring" on CPUs, of which the first device's result is used."""
     types = [devices_lib.device_type(d) for d in devices]
     spans = devices_lib.spans_tasks(devices)
     if spans and set(types) != {"GPU"}:
-        return "reduce_to_one"
+        return RING
     return select_communication(
         "auto", types, multi_worker=spans,
         physical_gpus=devices_lib.physical_gpus_of(devices, host=devices_lib.host_task()))
