@@ -129,6 +129,9 @@ MARKS = {
                           "variables on the device they name",
     "_tfpar_axes": "a MeshVariable: the mesh axis each of its dimensions is split over",
     "_tfpar_runtime": "a MeshVariable: the mesh runtime that laid it out",
+    "_tfpar_home": "a tensor crossing between pipeline stages: the device the executor "
+                   "anchors it on (a slice of a tensor-parallel stage's output)",
+    "_tfpar_source": "such a slice: the device it was cut on, where its gradient goes back",
 }
 
 _DEFAULTS = StrategyHooks()

@@ -1,14 +1,16 @@
 """The chief of the pipeline-checkpoint test, run by `tfpar launch --workers 2 --coordinator`
 (the workers serve the stages; this process runs the program):
 
-    python pipeline_checkpoint.py --out=DIR
+    python pipeline_checkpoint.py --out=DIR [--tensor_parallel=2]
 
-A 2-stage pipeline over the 2 worker processes trains 2 steps with Adam, then writes a
+A 2-stage pipeline over the 2 worker processes (or, with --tensor_parallel=2, one stage whose
+Dense layers are split Megatron's way over them) trains 2 steps with Adam, then writes a
 `tf.train.Checkpoint` of the model and its optimizer to DIR/ckpt. Writes DIR/result.json:
 the bytes each process of the job wrote meanwhile (`/proc/<pid>/io`, the processes found by
-the TF_CONFIG in their environment), each stage's bytes of variables, and the largest
-difference between the pipeline's weights and optimizer state and those a plain Keras model
-on one device (this process, no strategy) reads back from the checkpoint.
+the TF_CONFIG in their environment), the bytes of variables on each device, and the largest
+difference between the pipeline's weights (and, without tensor parallelism, its optimizer
+state) and those a plain Keras model on one device (this process, no strategy) reads back
+from the checkpoint.
 """
 
 import glob
@@ -47,16 +49,29 @@ def _written(pid):
 def _model():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((256,))]
-                             + [keras.layers.Dense(512, name=f"d{i}") for i in range(4)]
+                             + [keras.layers.Dense(512, name=f"hidden_{i}") for i in range(4)]
                              + [keras.layers.Dense(10, name="out")])
     model.compile(keras.optimizers.Adam(0.01),
                   keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
-def main(out):
+def _devices_and_bytes(variable):
+    """[(device, bytes)] of `variable`'s storage: its shards' under tensor parallelism."""
+    from tfpar.keras import split_variables
+
+    storage = split_variables.sharded_storage(variable)
+    parts = storage.shards if storage is not None else [variable]
+    return [(part.value.device, int(np.prod(part.shape)) * 4) for part in parts]
+
+
+def main(out, tensor_parallel=1):
+    from tfpar.cli.train import megatron_layout_map
+
+    split = tensor_parallel > 1
     strategy = tfpar.PipelineStrategy(
-        num_stages=2, num_micro_batches=2, schedule="1f1b",
+        num_stages=1 if split else 2, num_micro_batches=2, schedule="1f1b",
+        tensor_parallel=tensor_parallel, layout_map=megatron_layout_map(4) if split else None,
         cluster_resolver=tf.distribute.cluster_resolver.TFConfigClusterResolver())
     with strategy.scope():
         model = _model()
@@ -67,8 +82,8 @@ def main(out):
         model.train_on_batch(x, y)
     by_stage = {}
     for variable in model.weights + model.optimizer.variables:
-        device = variable.value.device
-        by_stage[device] = by_stage.get(device, 0) + int(np.prod(variable.shape)) * 4
+        for device, held in _devices_and_bytes(variable):
+            by_stage[device] = by_stage.get(device, 0) + held
     pids = _processes()
     before = {name: _written(pid) for name, pid in pids.items()}
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
@@ -76,12 +91,19 @@ def main(out):
     os.sync()
     written = {name: _written(pid) - before[name] for name, pid in pids.items()}
     weights = model.get_weights()
-    state = [v.numpy() for v in model.optimizer.variables]
     plain = _model()  # One device, no strategy.
-    plain.optimizer.build(plain.trainable_variables)
-    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(
-        weights + state, plain.get_weights() + [v.numpy() for v in plain.optimizer.variables]))
+    if split:  # The optimizer's state is kept per shard: the weights are read whole.
+        tf.train.Checkpoint(model=plain).read(path).assert_existing_objects_matched()
+        difference = max(float(np.abs(a - b).max())
+                         for a, b in zip(weights, plain.get_weights()))
+    else:
+        state = [v.numpy() for v in model.optimizer.variables]
+        plain.optimizer.build(plain.trainable_variables)
+        tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(
+            path).assert_consumed()
+        difference = max(float(np.abs(a - b).max()) for a, b in zip(
+            weights + state,
+            plain.get_weights() + [v.numpy() for v in plain.optimizer.variables]))
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"written": written, "stage_bytes": by_stage, "difference": difference,
                    "moved": max(float(np.abs(a - b).max())
@@ -89,4 +111,5 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])["out"])
+    arguments = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
+    main(arguments["out"], int(arguments.get("tensor_parallel", 1)))

@@ -425,6 +425,18 @@ def _sets(function, name):
     return f"self.{name} =" in inspect.getsource(function)
 
 
+@functools.lru_cache(maxsize=None)
+def delegates(cls, method, text):
+    """Whether `cls.method`'s source contains `text` (the call it hands the work on with)."""
+    import inspect
+
+    function = getattr(cls, method, None)
+    try:
+        return function is not None and text in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
 def _owner_name(owner):
     """How WRAPS names a class or module: its `__name__` (a module's is dotted)."""
     return owner.__name__

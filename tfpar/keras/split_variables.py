@@ -27,8 +27,9 @@ from tfpar.keras import variable_birth
 class ShardedStorage:
     """The storage of a Keras variable held as shards (Keras variables) along `axis`."""
 
-    def __init__(self, shards, axis, shape, dtype, device):
+    def __init__(self, shards, axis, shape, dtype, device, name=""):
         self.shards = tuple(shards)
+        self._shared_name = name  # The whole variable's (a checkpoint's "full name").
         self.axis = axis
         self.shape = tf.TensorShape(shape)
         self.dtype = tf.as_dtype(dtype)
@@ -60,6 +61,56 @@ class ShardedStorage:
     def __repr__(self):
         return (f"ShardedStorage(shape={self.shape}, axis={self.axis}, "
                 f"shards={[s.path for s in self.shards]})")
+
+    # TensorFlow checkpoints (`tf.train.Checkpoint`): Keras' variable hands its checkpointing
+    # to its storage. The variable is saved whole, under its own key, as T slices: each
+    # shard's value, written by the process that holds it (TensorFlow's saver writes each
+    # task's tensors there), and read back as any slicing of the whole (TensorFlow's
+    # checkpoint reader assembles slices): by a plain one-device model, or by another T.
+
+    def _slice_specs(self):
+        """TensorFlow's slice spec (`Variable.SaveSliceInfo.spec`) of each shard."""
+        specs, offset = [], 0
+        full = self.shape.as_list()
+        axis = self.axis % len(full)
+        for shard in self.shards:
+            shape = list(shard.shape)
+            start = [0] * len(full)
+            start[axis] = offset
+            offset += shape[axis]
+            specs.append(tf.Variable.SaveSliceInfo(
+                full_name="", full_shape=full, var_offset=start, var_shape=shape).spec)
+        return specs
+
+    def _serialize_to_tensors(self):
+        slices = {}
+        for shard, spec in zip(self.shards, self._slice_specs()):
+            # (The class's method: the shard's own is patched to save nothing, below.)
+            saved = type(shard)._serialize_to_tensors(shard)  # pylint: disable=protected-access
+            internals.check(set(saved) == {_VALUE_KEY},
+                            f"a variable's checkpoint tensors {{{_VALUE_KEY!r}: value}}, "
+                            f"not {sorted(saved)}")
+            slices[spec] = saved[_VALUE_KEY]
+        return {_VALUE_KEY: slices}
+
+    def _restore_from_tensors(self, restored_tensors):
+        slices = restored_tensors[_VALUE_KEY]
+        if not isinstance(slices, dict):
+            # TensorFlow's restore of an object whose checkpoint is several slices under one
+            # name hands it the first slice only (`TrackableSaveable.restore` keys restored
+            # tensors by name): restoring on would write that slice into every shard.
+            raise ValueError(
+                f"A tensor-parallel variable ({self._shared_name or self}) cannot be restored "
+                f"from a TensorFlow checkpoint: TensorFlow's restore gives it only one of its "
+                f"{len(self.shards)} slices. Read the checkpoint into the model built without "
+                f"a strategy (tf.train.Checkpoint(model=plain).read(path)) and copy its "
+                f"weights (model.set_weights(plain.get_weights())), or save and load with "
+                f"Keras (model.save_weights / model.load_weights).")
+        return [type(shard)._restore_from_tensors(shard, {_VALUE_KEY: slices[spec]})  # pylint: disable=protected-access
+                for shard, spec in zip(self.shards, self._slice_specs())]
+
+
+_VALUE_KEY = "VARIABLE_VALUE"  # (TensorFlow's `trackable.base.VARIABLE_VALUE_KEY`.)
 
 
 # A shard of another task comes over in pieces of at most this many bytes: its worker
@@ -111,9 +162,22 @@ def initial_value(variable):
 
 def store_as_shards(variable, storage):
     """Makes `storage` (a `ShardedStorage`) the storage of `variable`, which had none or
-    whose own storage is dropped."""
+    whose own storage is dropped. Keras' variable must hand its TensorFlow checkpointing to
+    its storage (`ShardedStorage._serialize_to_tensors`)."""
+    for method in ("_serialize_to_tensors", "_restore_from_tensors"):
+        internals.check(internals.delegates(type(variable), method, f"self.value.{method}("),
+                        f"{type(variable).__name__}.{method} handing the checkpoint to its "
+                        f"storage (self.value.{method})")
     internals.set_attr(variable, "_value", storage)
     internals.set_attr(variable, "_initializer", None)  # As Keras' own storage leaves it.
+    for shard in storage.shards:
+        # Saved as slices of the whole variable: not again where the optimizer, which
+        # trains the shards, tracks them.
+        hooks.patch_object(shard, "_serialize_to_tensors", _saved_with_the_whole)
+
+
+def _saved_with_the_whole():
+    return {}
 
 
 def sharded_storage(variable):

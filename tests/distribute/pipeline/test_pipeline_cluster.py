@@ -587,25 +587,29 @@ def test_trace_records_a_stage_on_a_worker_through_its_profiler(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_on_one_device(
-        tmp_path):
+        tmp_path, tensor_parallel):
     """`tf.train.Checkpoint(model=..., optimizer=...).write` from the chief of a 2-stage
-    pipeline over 2 worker processes: TensorFlow shards the save by host, so each worker writes
-    its own stage's weights and Adam slots (its bytes of variables, within 1%), at the same
-    time as the other, and the chief writes only the index (nothing gathered, nothing written
-    twice); a plain Keras model on one device reads it back exactly (issue 36 item 4)."""
+    pipeline over 2 worker processes, or of one stage split over them (T=2): TensorFlow shards
+    the save by host, so each worker writes its own stage's (its shards') weights and Adam
+    slots (its bytes of variables, within 1%), at the same time as the other, and the chief
+    writes only the index (nothing gathered, nothing written twice); a plain Keras model on
+    one device reads it back exactly (a split variable is saved whole, as its shards'
+    slices; issue 36 item 4)."""
     out = tmp_path / "out"
     out.mkdir()
     run = subprocess.run([PY, "-m", "tfpar.cli.launch", "--workers=2", "--coordinator",
                           "--timeout=200", "--", PY,
                           os.path.join(HERE, "workers", "pipeline_checkpoint.py"),
-                          f"--out={out}"],
+                          f"--out={out}", f"--tensor_parallel={tensor_parallel}"],
                          capture_output=True, text=True, timeout=260,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert run.returncode == 0, run.stdout[-4000:]
     result = json.loads((out / "result.json").read_text())
     assert result["difference"] == 0.0 and result["moved"] > 1e-3, result
     stages = sorted(result["stage_bytes"].items())  # By device: task 0, then task 1.
+    assert len(stages) == 2, stages
     for index, (device, held) in enumerate(stages):
         assert f"/task:{index}/" in device
         assert held <= result["written"][f"worker:{index}"] <= 1.01 * held, result

@@ -799,3 +799,34 @@ def test_keras_hub_blocks_run_replicated_under_a_zero_bubble_schedule():
         assert mine.count("F") == mine.count("I") == 2 * micro, (d, mine)
     actions = {_action_of(op) for op in ops if op.type.startswith("Collective")}
     assert actions <= {"F", "I"}, actions
+
+
+def test_a_tensorflow_checkpoint_saves_each_split_variable_whole_as_its_shards_slices(
+        tmp_path):
+    """`tf.train.Checkpoint(model=...).write` of a tensor-parallel pipeline: each split
+    variable is saved once, under its own key and whole shape, as its T shards' slices (each
+    written where its shard lives: across processes, by its owner); the optimizer's hold on
+    the shards saves nothing more. A model built without a strategy reads the weights
+    exactly; reading into a split model again is refused with what to do instead (TensorFlow
+    would hand each variable one slice)."""
+    strategy, model = _trained("adam", "1f1b")
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    saved = dict(tf.train.list_variables(path))
+    split = [v for v in model.weights if keras_tp.sharded_storage(v) is not None]
+    assert split
+    whole = [shape for name, shape in saved.items() if "_operations" in name]
+    assert sorted(whole) == sorted(list(v.shape) for v in split), saved
+    assert not [n for n in saved if "_trainable_variables" in n
+                and saved[n] not in [list(v.shape) for v in model.weights]], saved
+    reader = tf.train.load_checkpoint(path)
+    for variable in split:
+        key = next(n for n, shape in saved.items()
+                   if "_operations" in n and shape == list(variable.shape)
+                   and np.array_equal(reader.get_tensor(n), variable.numpy()))
+        assert key
+    plain = megatron_mlp()
+    tf.train.Checkpoint(model=plain).read(path).assert_existing_objects_matched()
+    for got, expected in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="cannot be restored from a TensorFlow checkpoint"):
+        tf.train.Checkpoint(model=model).read(path)

@@ -839,7 +839,7 @@ def make_shards(variable, axis, homes):
         with variable_birth.variable_home(home):
             shards.append(keras_tp.shard_variable(variable, part, t))
     keras_tp.store_as_shards(variable, keras_tp.ShardedStorage(
-        shards, axis, variable.shape, variable.dtype, host))
+        shards, axis, variable.shape, variable.dtype, host, name=variable.path))
     return tuple(shards)
 
 
