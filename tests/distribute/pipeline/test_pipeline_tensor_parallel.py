@@ -149,6 +149,21 @@ def test_each_shard_lives_on_its_own_device_with_its_shape():
     assert not [v for v in model.optimizer.variables if tuple(v.shape) == (H, 4 * H)]
 
 
+def _trains_as_one_device(make, strategy, x, y, epochs=2):
+    """`make()` trained on one device and under `strategy` (batches of 16, in order): the
+    strategy's model, whose weights moved and equal one device's (1e-5)."""
+    want = make()
+    initial = want.get_weights()
+    want.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = make()
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
+    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    return model
+
+
 def _traced_step(strategy, model, x=None, y=None):
     y = _data(BATCH)[1] if y is None else y
     x = _data(BATCH)[0] if x is None else x
@@ -424,20 +439,12 @@ def test_layers_inside_a_keras_hub_transformer_block_are_split_and_train_as_one_
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")
-    want = gpt2(block=block)
-    initial = want.get_weights()
-    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     strategy = tfpar.PipelineStrategy(cpus(4), num_stages=2, num_micro_batches=2,
                                       schedule="1f1b", tensor_parallel=2,
                                       layout_map=gpt2_layout())
-    with strategy.scope():
-        model = gpt2(block=block)
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = _trains_as_one_device(functools.partial(gpt2, block=block), strategy, x, y)
     stages = strategy.stages(model)
     assert "transformer_layer_0" in stages[0] and "transformer_layer_1" in stages[1], stages
-    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
-    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
     ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
     if replicated:
         _check_blocks_replicated(ops, blocks_per_stage=1)
@@ -477,15 +484,9 @@ def test_a_block_whose_shares_need_a_whole_output_runs_on_the_first_device(layou
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")
-    want = gpt2()
-    want.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     strategy = tfpar.PipelineStrategy(cpus(2), num_stages=1, num_micro_batches=2,
                                       tensor_parallel=2, layout_map=layout())
-    with strategy.scope():
-        model = gpt2()
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    model = _trains_as_one_device(gpt2, strategy, x, y, epochs=1)
     ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
     assert not _all_reduces(ops)
 
@@ -540,17 +541,9 @@ def test_attention_runs_by_heads_on_each_device_and_trains_as_one_device(make, s
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     x[::3, 5:] = 0  # Padding: masked out where the embedding masks zeros.
     y = rng.integers(0, 16, (32, 8)).astype("int32")
-    want = make()
-    initial = want.get_weights()
-    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     strategy = tfpar.PipelineStrategy(cpus(2 * stages), num_stages=stages, num_micro_batches=M,
                                       tensor_parallel=2, layout_map=_heads_layout(make is _llama))
-    with strategy.scope():
-        model = make()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)) > 1e-3
-    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    model = _trains_as_one_device(make, strategy, x, y)
     ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
     softmax = [_device_index(op.device) for op in ops if op.type == "Softmax"]
     assert sorted(set(softmax)) == list(range(2 * stages)), softmax
@@ -753,15 +746,9 @@ def test_a_first_column_layer_reads_its_input_spread_from_where_it_is_fed():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 12)).astype("float32"), rng.normal(size=(32, 3)).astype(
         "float32")
-    want = make()
-    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     strategy = tfpar.PipelineStrategy(cpus(2), num_micro_batches=M, tensor_parallel=2,
                                       layout_map=megatron_layout_map(2))
-    with strategy.scope():
-        model = make()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    model = _trains_as_one_device(make, strategy, x, y)
     ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
     sent = [n for a, b, n, _ in _float_edges(ops, within_actions=False) if (a, b) == (0, 1)]
     rows = 16 // M
@@ -781,17 +768,11 @@ def test_keras_hub_blocks_run_replicated_under_a_zero_bubble_schedule():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 16, (32, 8)).astype("int32")
     y = rng.integers(0, 16, (32, 8)).astype("int32")
-    want = gpt2()
-    want.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     micro = 4  # (With 2, no forward runs between a first stage's I and its W.)
     strategy = tfpar.PipelineStrategy(cpus(4), num_stages=2, num_micro_batches=micro,
                                       schedule="zero_bubble_h1", tensor_parallel=2,
                                       layout_map=gpt2_layout())
-    with strategy.scope():
-        model = gpt2()
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for got, expected, variable in zip(model.get_weights(), want.get_weights(), model.weights):
-        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=variable.path)
+    model = _trains_as_one_device(gpt2, strategy, x, y)
     ops = _traced_step(strategy, model, x[:16], y[:16]).get_operations()
     reduces = [op for op in _all_reduces(ops)]
     for d in range(4):  # 2 forward, 2 backward per block and micro-batch, on every device.
