@@ -58,16 +58,17 @@ def plan(layout):
                               reshard_after_forward=False)
     estimate = estimate_memory(sizes, config)
     stage = sharding.STAGES[shard]
-    # Each device's share of the gradients that its data axis reduces: a stage's (an even
-    # K-th), split over T.
-    gradient_bytes = 4 * params / (k * t)
-    sends = {
-        "data": communication.data_parallel_bytes(gradient_bytes, r, stage) if r > 1 else 0,
-        "pipe": communication.pipeline_bytes(BOUNDARY_BYTES, k, MICRO_BATCHES) if k > 1 else 0,
-        "model": communication.tensor_parallel_bytes(
-            BOUNDARY_BYTES, t, num_layer_pairs=2 * LAYERS // k,
-            num_micro_batches=MICRO_BATCHES) if t > 1 else 0,
-    }
+    if k == 1 and t == 1:  # Data parallelism: the whole gradient in a ring (ZeRO-3 1.5x).
+        sends = {"data": communication.data_parallel_bytes(4 * params, r, stage) if r > 1
+                 else 0, "pipe": 0, "model": 0}
+    else:
+        # The busiest device: a middle stage's (two neighbours), its share of the stage's
+        # gradients in the data ring, its boundaries by scatter-gather (1/T across, the rest
+        # all-gathered in its group), its pairs' all-reduces, the first stage's token ids.
+        sends = communication.device_step_bytes(
+            4 * params, BOUNDARY_BYTES, stage=min(1, k - 1), num_replicas=r, num_stages=k,
+            tensor_parallel=t, zero_stage=stage, num_micro_batches=MICRO_BATCHES,
+            layer_pairs_per_stage=2 * LAYERS // k, input_bytes=MICRO_BATCHES * 2048 * 4)
     state = 16 * params
     # Owner-written (tfpar.keras.owner_saving): each host its workers' shares. Gathered
     # (`.weights.h5` on every worker, as a multi-worker program must save): every worker
