@@ -118,6 +118,11 @@ PIPELINE_TP_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "partial_la
                         "gradient_accumulation", "recompile", "frozen_layer", "nested_model",
                         "multi_input_output", "save_keras_load", "subclassed_model",
                         "kernel_regularizer", "mixed_float16", "custom_loop", "jit_compile"]
+# The tensor-parallel split with zero bubble and with ZeRO-3 over 2 replicas (each stage run
+# replicated by peer collectives since session 30): the core rows.
+PIPELINE_TP_VARIANT_FEATURES = ["loss_sum_over_batch_size", "sample_weight",
+                                "partial_last_batch", "gradient_accumulation", "mixed_float16",
+                                "save_keras_load"]
 # Recipes on data that differs across replicas (clipping over one replica's part, a float16
 # overflow in one replica's part, AdamW with clipping and a schedule, padding masks through
 # Dense layers a tensor-parallel pipeline splits): every column whose gradient sum, update or
@@ -143,7 +148,8 @@ OPTIMIZER_FEATURES = [f for f in harness.FEATURE_NAMES if f.startswith("opt_")]
 # all equal: 63 cells, ~70 s of the suite.)
 OPTIMIZER_STEP_OF = {"dp4": "dp2", "dp3_hd": "dp2", "dp2_bf16": "dp2", MULTI_WORKER: "dp2",
                      "mp": "dp2", "gpipe": "1f1b", "zb": "1f1b", "pipe_r2k2": "1f1b",
-                     "zero2": "zero1", "pipe_zero2": "pipe_zero1", "pipe_zero3": "pipe_zero1"}
+                     "zero2": "zero1", "pipe_zero2": "pipe_zero1", "pipe_zero3": "pipe_zero1",
+                     "pipe_tp_zb": harness.PIPE_TP, "tp_zero3": harness.PIPE_TP}
 OPTIMIZER_COLUMNS = [c for c in COLUMNS if c not in OPTIMIZER_STEP_OF]
 # ScheduleFreeAdamW's `build` sets its momentum to a copy of the weights. Keras on one device
 # builds the optimizer while the first step is traced, and that assignment becomes part of
@@ -271,6 +277,10 @@ def _expected():
             cells[f, "pipe_zero2"] = cells[f, "pipe_zero3"] = replicas
         if f in PIPELINE_TP_FEATURES:
             cells[f, harness.PIPE_TP] = cells[f, "1f1b"]
+        for column in ("pipe_tp_zb", "tp_zero3"):
+            cells.pop((f, column), None)
+            if f in PIPELINE_TP_VARIANT_FEATURES:
+                cells[f, column] = cells[f, harness.PIPE_TP]
         if f not in PIPELINE_REPLICA_FEATURES:
             cells.pop((f, "pipe_r2k2"))
     cells["kernel_regularizer", harness.PIPE_TP] = "error:PlacementError:has a kernel_regularizer"
@@ -356,7 +366,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "pipe_zero3": "1F1B R2 K2 M2 ZeRO-3",
            harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2",
            "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2",
-           "dp3_hd": "DP 3 halving-doubling"}
+           "dp3_hd": "DP 3 halving-doubling", "pipe_tp_zb": "ZB-H1 K2 x TP 2 M2",
+           "tp_zero3": "R2 x TP 2 ZeRO-3 M2"}
 
 
 def render_table():

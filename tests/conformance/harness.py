@@ -102,25 +102,42 @@ PIPE_TP = "pipe_tp"
 
 
 def _pipeline_tensor_parallel():
+    return tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_stages=2, schedule="1f1b",
+                                  tensor_parallel=2, layout_map=_megatron_layout_map())
+
+
+STRATEGIES[PIPE_TP] = _pipeline_tensor_parallel
+
+
+def _megatron_layout_map():
     layout_map = keras.distribution.LayoutMap(None)
     layout_map[".*d1/kernel"] = (None, "model")
     layout_map[".*d1/bias"] = ("model",)
     layout_map[".*d2/kernel"] = ("model", None)
-    return tfpar.PipelineStrategy(cpus(4), num_micro_batches=2, num_stages=2, schedule="1f1b",
-                                  tensor_parallel=2, layout_map=layout_map)
+    return layout_map
 
 
-STRATEGIES[PIPE_TP] = _pipeline_tensor_parallel
+# The same split with zero bubble (K=2 x T=2: the backward's all-reduces in its input pass),
+# and over 2 replicas with ZeRO-3 (R=2 x T=2, one stage: each shard on one owner), each stage
+# run replicated by peer collectives (expected.PIPELINE_TP_VARIANT_FEATURES).
+STRATEGIES["pipe_tp_zb"] = lambda: tfpar.PipelineStrategy(
+    cpus(4), num_micro_batches=2, num_stages=2, schedule="zero_bubble_h1", tensor_parallel=2,
+    layout_map=_megatron_layout_map())
+STRATEGIES["tp_zero3"] = lambda: tfpar.PipelineStrategy(
+    cpus(4), num_micro_batches=2, num_replicas=2, num_stages=1, schedule="1f1b",
+    tensor_parallel=2, shard="parameters", layout_map=_megatron_layout_map())
+SUBSET_COLUMNS += ("pipe_tp_zb", "tp_zero3")
+STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
             "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1, "pipe_zero1": 2,
             "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 1, "dp2_bf16": 2, "dp2_local": 2,
-            "dp3_hd": 3}
+            "dp3_hd": 3, "pipe_tp_zb": 1, "tp_zero3": 2}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
                  "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1,
                  "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 2, "dp2_bf16": 1,
-                 "dp2_local": 1, "dp3_hd": 1}
+                 "dp2_local": 1, "dp3_hd": 1, "pipe_tp_zb": 2, "tp_zero3": 2}
 
 
 def _pipeline_zero(shard):
