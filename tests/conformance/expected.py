@@ -149,7 +149,8 @@ OPTIMIZER_FEATURES = [f for f in harness.FEATURE_NAMES if f.startswith("opt_")]
 OPTIMIZER_STEP_OF = {"dp4": "dp2", "dp3_hd": "dp2", "dp2_bf16": "dp2", MULTI_WORKER: "dp2",
                      "mp": "dp2", "gpipe": "1f1b", "zb": "1f1b", "pipe_r2k2": "1f1b",
                      "zero2": "zero1", "pipe_zero2": "pipe_zero1", "pipe_zero3": "pipe_zero1",
-                     "pipe_tp_zb": harness.PIPE_TP, "tp_zero3": harness.PIPE_TP}
+                     "pipe_tp_zb": harness.PIPE_TP, "tp_zero3": harness.PIPE_TP,
+                     "zero1_bf16": "zero1", "pipe_r2k2_bf16": "1f1b"}
 OPTIMIZER_COLUMNS = [c for c in COLUMNS if c not in OPTIMIZER_STEP_OF]
 # ScheduleFreeAdamW's `build` sets its momentum to a copy of the weights. Keras on one device
 # builds the optimizer while the first step is traced, and that assignment becomes part of
@@ -317,8 +318,12 @@ def _expected():
         for column in OPTIMIZER_COLUMNS:  # (The mesh needs a newer Keras anyway: README.)
             if column != harness.MESH and not cells["opt_Muon", column].startswith("error"):
                 cells["opt_Muon", column] = "error:ValueError:upgrade Keras, or use AdamW"
+    for f in harness.FEATURE_NAMES:
+        for column in ("zero1_bf16", "pipe_r2k2_bf16"):
+            cells.pop((f, column), None)
     for f in COMPRESSION_FEATURES:
         cells[f, "dp2_bf16"] = BF16_GRADIENTS
+        cells[f, "zero1_bf16"] = cells[f, "pipe_r2k2_bf16"] = BF16_GRADIENTS
     for f in LOCAL_SGD_FEATURES:
         cells[f, "dp2_local"] = LOCAL_STEPS
     for f in HALVING_DOUBLING_FEATURES:
@@ -367,7 +372,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            harness.MESH: "keras.distribution DP 2 x TP 2", harness.PIPE_TP: "1F1B K2 x TP 2 M2",
            "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2",
            "dp3_hd": "DP 3 halving-doubling", "pipe_tp_zb": "ZB-H1 K2 x TP 2 M2",
-           "tp_zero3": "R2 x TP 2 ZeRO-3 M2"}
+           "tp_zero3": "R2 x TP 2 ZeRO-3 M2", "zero1_bf16": "ZeRO-1 DP 2 bf16 gradients",
+           "pipe_r2k2_bf16": "1F1B R2 K2 M2 bf16 gradients"}
 
 
 def render_table():

@@ -126,18 +126,25 @@ STRATEGIES["pipe_tp_zb"] = lambda: tfpar.PipelineStrategy(
 STRATEGIES["tp_zero3"] = lambda: tfpar.PipelineStrategy(
     cpus(4), num_micro_batches=2, num_replicas=2, num_stages=1, schedule="1f1b",
     tensor_parallel=2, shard="parameters", layout_map=_megatron_layout_map())
-SUBSET_COLUMNS += ("pipe_tp_zb", "tp_zero3")
+# Gradients summed in bfloat16 under ZeRO-1 (each owner's sum) and over 2 pipeline replicas
+# (each stage's sum) (expected.COMPRESSION_FEATURES).
+STRATEGIES["zero1_bf16"] = lambda: tfpar.DataParallelStrategy(cpus(2), shard="optimizer",
+                                                              compression="bf16")
+STRATEGIES["pipe_r2k2_bf16"] = lambda: tfpar.PipelineStrategy(
+    cpus(4), num_micro_batches=2, num_replicas=2, schedule="1f1b", compression="bf16")
+SUBSET_COLUMNS += ("pipe_tp_zb", "tp_zero3", "zero1_bf16", "pipe_r2k2_bf16")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
             "zero1": 2, "zero2": 2, "zero3": 2, "zb": 1, "2bw": 1, MESH: 1, "pipe_zero1": 2,
             "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 1, "dp2_bf16": 2, "dp2_local": 2,
-            "dp3_hd": 3, "pipe_tp_zb": 1, "tp_zero3": 2}
+            "dp3_hd": 3, "pipe_tp_zb": 1, "tp_zero3": 2, "zero1_bf16": 2, "pipe_r2k2_bf16": 2}
 MICRO_BATCHES = {"dp2": 1, "dp4": 1, "mp": 1, "gpipe": 4, "1f1b": 4, "pipe_r2k2": 2, "mw2": 1,
                  "zero1": 1, "zero2": 1, "zero3": 1, "zb": 4, "2bw": 4, MESH: 1,
                  "pipe_zero1": 2, "pipe_zero2": 2, "pipe_zero3": 2, PIPE_TP: 2, "dp2_bf16": 1,
-                 "dp2_local": 1, "dp3_hd": 1, "pipe_tp_zb": 2, "tp_zero3": 2}
+                 "dp2_local": 1, "dp3_hd": 1, "pipe_tp_zb": 2, "tp_zero3": 2, "zero1_bf16": 1,
+                 "pipe_r2k2_bf16": 2}
 
 
 def _pipeline_zero(shard):
@@ -151,7 +158,8 @@ def _pipeline_zero(shard):
 # compare training (weights, history, anything saved); evaluate and predict (~1/3 of a cell)
 # are compared on the named column. 2BW keeps its own: its weights come in versions.
 INFERENCE_OF = {"zero1": "dp2", "zero2": "dp2", "gpipe": "1f1b", "zb": "1f1b",
-                "pipe_zero1": "pipe_r2k2", "pipe_zero2": "pipe_r2k2", "dp2_bf16": "dp2"}
+                "pipe_zero1": "pipe_r2k2", "pipe_zero2": "pipe_r2k2", "dp2_bf16": "dp2",
+                "zero1_bf16": "dp2", "pipe_r2k2_bf16": "pipe_r2k2"}
 
 
 def infers(sid, feature):
