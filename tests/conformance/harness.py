@@ -132,8 +132,8 @@ STRATEGIES["zero1_bf16"] = lambda: tfpar.DataParallelStrategy(cpus(2), shard="op
                                                               compression="bf16")
 STRATEGIES["pipe_r2k2_bf16"] = lambda: tfpar.PipelineStrategy(
     cpus(4), num_micro_batches=2, num_replicas=2, schedule="1f1b", compression="bf16")
+# (Made after STRATEGY_IDS, as the mesh and pipe_tp: not columns of every feature.)
 SUBSET_COLUMNS += ("pipe_tp_zb", "tp_zero3", "zero1_bf16", "pipe_r2k2_bf16")
-STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # How each strategy splits a global batch: replicas (each its own loss mean) and micro-batches.
 # ("mw2": DataParallelStrategy over 2 worker processes, one replica each.)
 REPLICAS = {"dp2": 2, "dp4": 4, "mp": 1, "gpipe": 1, "1f1b": 1, "pipe_r2k2": 2, "mw2": 2,
