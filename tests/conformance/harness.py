@@ -159,7 +159,7 @@ def _pipeline_zero(shard):
 # are compared on the named column. 2BW keeps its own: its weights come in versions.
 INFERENCE_OF = {"zero1": "dp2", "zero2": "dp2", "gpipe": "1f1b", "zb": "1f1b",
                 "pipe_zero1": "pipe_r2k2", "pipe_zero2": "pipe_r2k2", "dp2_bf16": "dp2",
-                "zero1_bf16": "dp2", "pipe_r2k2_bf16": "pipe_r2k2"}
+                "zero1_bf16": "dp2"}
 
 
 def infers(sid, feature):
