@@ -243,8 +243,6 @@ WRAPS = {
     ("TensorFlowTrainer", "_aggregate_additional_loss"):
         "losses marked as batch sums are not scaled by replicas or micro-batch shares",
     ("keras.src.saving.saving_lib", "is_memory_sufficient"): "a tfpar model's weights via a file",
-    ("keras.src.saving.saving_lib", "load_weights_only"):
-        "ZeRO-3 across workers: a weight owned on another worker is not read from the file",
     ("keras.src.saving.saving_lib", "save_weights_only"):
         "ZeRO across workers: a sharded save ('*.weights.json') written by the owners",
     ("BackupAndRestore", "_save_model"): "backups committed whole; written by the chief only",

@@ -215,33 +215,3 @@ def written_by_owners(save_weights_only):
         return save(model, filepath, max_shard_size, plan, skip)
 
     return wrapper
-
-
-def read_where_owned(load_weights_only):
-    """saving_lib.load_weights_only: under ZeRO-3 across workers each worker reads from the
-    file only the weights it owns. A weight owned on another worker is an empty stand-in
-    here, whose writes are dropped (`zero_reads`), but Keras converts the value it assigns
-    first, which reads it: while Keras loads, such a variable's `assign` takes nothing."""
-
-    @functools.wraps(load_weights_only)
-    def wrapper(model, filepath, *args, **kwargs):
-        from tfpar.keras import hooks
-
-        owners = hooks_of(getattr(model, "distribute_strategy", None))._tfpar_shard_owners
-        remote = getattr(owners, "remote", None)
-        if not remote:
-            return load_weights_only(model, filepath, *args, **kwargs)
-        elsewhere = [v for v in model.weights if id(internals.attr(v, "_value")) in remote]
-        for variable in elsewhere:
-            hooks.patch_object(variable, "assign", _owned_elsewhere)
-        try:
-            return load_weights_only(model, filepath, *args, **kwargs)
-        finally:
-            for variable in elsewhere:
-                hooks.unpatch_object(variable, "assign")
-
-    return wrapper
-
-
-def _owned_elsewhere(value, *args, **kwargs):
-    del value, args, kwargs  # (Its owner's worker loads it.)
