@@ -419,21 +419,22 @@ def set_attr(obj, name, value, like=None, set_by=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _sets(function, name):
+def _source_has(function, text):
     import inspect
 
-    return f"self.{name} =" in inspect.getsource(function)
+    return text in inspect.getsource(function)
 
 
-@functools.lru_cache(maxsize=None)
+def _sets(function, name):
+    return _source_has(function, f"self.{name} =")
+
+
 def delegates(cls, method, text):
     """Whether `cls.method`'s source contains `text` (the call it hands the work on with)."""
-    import inspect
-
     function = getattr(cls, method, None)
     try:
-        return function is not None and text in inspect.getsource(function)
-    except (OSError, TypeError):
+        return function is not None and _source_has(function, text)
+    except (OSError, TypeError):  # (No source to read: fail closed.)
         return False
 
 

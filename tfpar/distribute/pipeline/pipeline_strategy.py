@@ -333,10 +333,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
         replica r's stage s): "all_reduce" (the stage runs replicated, its sums all-reduced
         by peer collectives: NCCL on GPUs, a ring on CPUs, in one process or across
         processes)."""
-        if self._peer_tensor_groups():
-            return [["all_reduce"] * len(row) for row in self._tp_grid]
-        return [[tensor_parallel_lib.communication_of(devices) for devices in row]
-                for row in self._tp_grid]
+        return [["all_reduce"] * len(row) for row in self._tp_grid]
 
     def _tfpar_memory_config(self, optimizer_slots=2):
         # Read by tfpar.plan.estimate_memory (which cuts the variables into balanced
@@ -431,7 +428,7 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                 if planned:
                     program.stages = tensor_parallel_lib.split_program(
                         program, planned, self._shard_homes, self._split_devices,
-                        self._tensor_group if self._peer_tensor_groups() else None)
+                        self._tensor_group)
                     self._tp_substitutes.update(program.substitutes)
                 for stage in program.stages:
                     devices = [row[self._schedule.rank_of(stage.index)] for row in self._grid]
@@ -463,11 +460,6 @@ class PipelineStrategy(sharded.ZeroHooks, PlacingStrategy, tf.distribute.Mirrore
                     communication, devices, tf_runtime.collective_keys(self.extended))
             return devices, self._tp_reductions[devices]
         return devices, communication
-
-    def _peer_tensor_groups(self):
-        """Whether tensor-parallel stages run replicated with peer collectives (in a traced
-        step; eager steps sum on each stage's first device)."""
-        return True
 
     @property
     def _tfpar_compression(self):

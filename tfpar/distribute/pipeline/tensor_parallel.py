@@ -890,17 +890,16 @@ class Crossings:
         return spread
 
 
-def split_program(program, planned, shard_homes, stage_devices, group_of=None):
+def split_program(program, planned, shard_homes, stage_devices, group_of):
     """Gives each planned layer's split variables their shards and the program the split
     calls. `shard_homes(stage_index)`: for each of the stage's T devices, its device in
     every replica; `stage_devices(stage_index)`: () -> (this replica's T devices of the
     stage, their communication), asked while a step is built; `group_of(devices)`: their
     `tensor_groups.TensorGroup` (split layers and blocks run with peer collectives, in a
-    function), or None. Returns the stages with their variables replaced by shards."""
+    function). Returns the stages with their variables replaced by shards."""
     stages = []
-    if group_of is not None:
-        program.whole_values = tensor_groups.whole_values
-        program.crossings = Crossings(program, stage_devices, group_of)
+    program.whole_values = tensor_groups.whole_values
+    program.crossings = Crossings(program, stage_devices, group_of)
     model_inputs = {id(t) for t in program.graph.inputs}
     for stage in program.stages:
         homes = shard_homes(stage.index)
@@ -931,24 +930,22 @@ def split_program(program, planned, shard_homes, stage_devices, group_of=None):
                 program.calls[id(node)] = column_call(split, shards, devices, keep, group_of)
             else:
                 program.calls[id(node)] = row_call(split, shards, devices, group_of)
-            if group_of is not None:
-                program.takes_replicated.add(id(node))
+            program.takes_replicated.add(id(node))
         for composite, splits in inner.values():
             node = next(n for n in stage.nodes if n.operation is composite)
             call = _composite_call(composite, _calls_within(composite, splits, devices))
-            if (group_of is not None and keras_tp.replication_refusal(composite) is None
+            if (keras_tp.replication_refusal(composite) is None
                     and _shares_stay_local(composite, splits)):
                 call = replicated_call(composite, splits, devices, group_of, call)
                 program.takes_replicated.add(id(node))
             program.calls[id(node)] = call
-        if group_of is not None:
-            for node in stage.nodes:
-                if (id(node) not in program.calls and _no_larger_than_input(node)
-                        and keras_tp.repeat_refusal(node.operation) is None):
-                    program.calls[id(node)] = _repeated_where_replicated(
-                        node.operation, devices, group_of,
-                        any(id(t) in model_inputs for t in node.input_tensors))
-                    program.takes_replicated.add(id(node))
+        for node in stage.nodes:
+            if (id(node) not in program.calls and _no_larger_than_input(node)
+                    and keras_tp.repeat_refusal(node.operation) is None):
+                program.calls[id(node)] = _repeated_where_replicated(
+                    node.operation, devices, group_of,
+                    any(id(t) in model_inputs for t in node.input_tensors))
+                program.takes_replicated.add(id(node))
         stages.append(dataclasses.replace(
             stage,
             trainable_variables=tuple(program.optimizer_variables(stage.trainable_variables)),
