@@ -88,6 +88,9 @@ class StrategyHooks:
     # () -> who writes which variable of a sharded save, or None (`tfpar.keras.owner_saving`;
     # `tfpar.distribute.zero.owner_checkpoint.OwnerCheckpoint`).
     _tfpar_owner_checkpoint = None
+    # (keras variable) -> whether it is a stand-in of a weight another worker holds (ZeRO-3
+    # across workers: a load reads only what is kept), or None.
+    _tfpar_held_elsewhere = None
     # (path) -> None: check that every worker sees the backup directory (a shared disk).
     _tfpar_check_backup_everywhere = None
     # () -> a context manager entered around fit, evaluate and predict.

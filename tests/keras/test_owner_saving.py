@@ -111,3 +111,46 @@ def test_an_older_keras_refuses_it(tmp_path, monkeypatch):
                                          r"a '\.weights\.h5' file"):
         owner_saving.save(_trained(), tmp_path / "model.weights.json", 1, plan)
     assert plan.agreed is None and not list(pathlib.Path(tmp_path).iterdir())
+
+
+def test_a_load_reads_only_the_values_kept_and_checks_the_others_shapes(tmp_path):
+    """`owner_saving.load` (ZeRO-3 across workers: weights held on other workers are
+    stand-ins) takes from the files only the values of the variables it keeps; the
+    stand-ins keep nothing and are not read, but a shape that differs is refused."""
+    import h5py
+
+    model = _trained()
+    path = tmp_path / "model.weights.json"
+    model.save_weights(path, max_shard_size=1)  # (Stock Keras, one writer.)
+    loaded = _model(1)
+    loaded.optimizer.build(loaded.trainable_variables)
+    before = loaded.get_weights()
+    elsewhere = {v.path for v in loaded.layers[0].weights}  # "hidden": kernel and bias
+    read = []
+    array = h5py.Dataset.__array__
+
+    def counted(dataset, *args, **kwargs):
+        read.append(dataset.nbytes)
+        return array(dataset, *args, **kwargs)
+
+    h5py.Dataset.__array__ = counted
+    try:
+        owner_saving.load(loaded, path, lambda v: v.path in elsewhere)
+    finally:
+        h5py.Dataset.__array__ = array
+    for variable, old, saved in zip(loaded.weights, before, model.get_weights()):
+        np.testing.assert_array_equal(variable.numpy(),
+                                      old if variable.path in elsewhere else saved)
+    for got, want in zip(loaded.optimizer.variables, model.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+    kept = (sum(v.numpy().nbytes for v in loaded.weights if v.path not in elsewhere)
+            + sum(v.numpy().nbytes for v in loaded.optimizer.variables))
+    assert sum(read) == kept
+    assert loaded.layers[0].kernel.assign.__name__ == "assign"  # (Put back after.)
+
+    narrow = keras.Sequential([keras.Input((6,)),
+                               keras.layers.Dense(31, activation="relu", name="hidden"),
+                               keras.layers.BatchNormalization(name="norm"),
+                               keras.layers.Dense(3, name="head")], name="owned")
+    with pytest.raises(ValueError, match=r"shape \(6, 32\); the variable's is \(6, 31\)"):
+        owner_saving.load(narrow, path, lambda v: "hidden/" in v.path)

@@ -10,7 +10,8 @@ the bytes each process of the job wrote meanwhile (`/proc/<pid>/io`, the process
 the TF_CONFIG in their environment), the bytes of variables on each device, and the largest
 difference between the pipeline's weights (and, without tensor parallelism, its optimizer
 state) and those a plain Keras model on one device (this process, no strategy) reads back
-from the checkpoint.
+from the checkpoint; without tensor parallelism also a fresh pipeline's, restored from it,
+and the bytes each process read meanwhile.
 """
 
 import glob
@@ -44,6 +45,11 @@ def _processes():
 def _written(pid):
     with open(f"/proc/{pid}/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("write_bytes"))
+
+
+def _read(pid):
+    with open(f"/proc/{pid}/io") as f:  # (rchar: every read call, the page cache's too.)
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
 
 
 def _model():
@@ -104,8 +110,20 @@ def main(out, tensor_parallel=1):
         difference = max(float(np.abs(a - b).max()) for a, b in zip(
             weights + state,
             plain.get_weights() + [v.numpy() for v in plain.optimizer.variables]))
+        # Restored into a fresh pipeline: each worker reads its own stage's values.
+        with strategy.scope():
+            fresh = _model()
+            fresh.optimizer.build(fresh.trainable_variables)
+        before = {name: _read(pid) for name, pid in pids.items()}
+        tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(
+            path).assert_consumed()
+        read = {name: _read(pid) - before[name] for name, pid in pids.items()}
+        difference = max(difference, *(float(np.abs(a - b).max()) for a, b in zip(
+            weights + state,
+            fresh.get_weights() + [v.numpy() for v in fresh.optimizer.variables])))
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"written": written, "stage_bytes": by_stage, "difference": difference,
+                   "read": None if split else read,
                    "moved": max(float(np.abs(a - b).max())
                                 for a, b in zip(weights, _model().get_weights()))}, f)
 

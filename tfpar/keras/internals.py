@@ -40,8 +40,13 @@ SYMBOLS = {
         "is_memory_sufficient wrapped: a tfpar model's .keras weights go through a file",
     "keras.src.saving.saving_lib._save_state":
         "Keras' own walk of a model's state, into the store of a sharded save by its owners",
+    "keras.src.saving.saving_lib._load_state":
+        "Keras' own walk of a model's state, from a store that reads values when used "
+        "(ZeRO-3 across workers: each worker reads what it keeps)",
+    "keras.src.saving.saving_lib._raise_loading_failure": "that walk's errors, as Keras raises",
     "keras.src.saving.saving_lib.ShardedH5IOStore":
-        "subclassed so that Keras' walk takes the owners' store (which keeps none of its state)",
+        "subclassed so that Keras' walk takes the owners' store (which keeps none of its "
+        "state), and read lazily on load",
     "keras.src.saving.saving_lib.H5IOStore": "each owner's shard files, in Keras' h5 layout",
     "keras.src.backend.common.remat": "RematScope's layer calls under model.fit on TensorFlow",
     "keras.src.backend.common.masking.get_keras_mask": "keep masks across devices",
@@ -185,6 +190,7 @@ ATTRIBUTES = {
     "_initialize_with_initializer": "keras.Variable (where it gets its storage)",
     "_deferred_initialize": "keras.Variable (storage for one made in a StatelessScope)",
     "_direct_assign": "keras.Variable (a write that needs its storage first)",
+    "_restore_from_tensors": "keras.Variable (a TensorFlow checkpoint restored across tasks)",
     "_dense_var_to_tensor": "tf.Variable (a stage-3 variable across workers read from its owner)",
     "_unique_id": "tf.Variable",
     "_get_replica_id_in_sync_group": "CollectiveAllReduceExtended (a worker's first replica)",
@@ -245,6 +251,8 @@ WRAPS = {
     ("keras.src.saving.saving_lib", "is_memory_sufficient"): "a tfpar model's weights via a file",
     ("keras.src.saving.saving_lib", "save_weights_only"):
         "ZeRO across workers: a sharded save ('*.weights.json') written by the owners",
+    ("keras.src.saving.saving_lib", "load_weights_only"):
+        "ZeRO-3 across workers: a sharded load ('*.weights.json') reads what each keeps",
     ("BackupAndRestore", "_save_model"): "backups committed whole; written by the chief only",
     ("BackupAndRestore", "_load_model"): "every worker takes the chief's restored state",
     ("BackupAndRestore", "on_train_begin"): "a committed backup finished after a kill",
@@ -304,6 +312,8 @@ WRAPS = {
     (_TF_VARIABLE, "_initialize_with_initializer"): "a variable born on its device",
     (_TF_VARIABLE, "_deferred_initialize"): "a variable born on its device",
     (_TF_VARIABLE, "_direct_assign"): "a variable stored before it is written",
+    (_TF_VARIABLE, "_restore_from_tensors"):
+        "a TensorFlow checkpoint restored across tasks: the restored tensor takes its shape",
     ("keras.src.backend.tensorflow.numpy", "flip"): "flip on a device mesh, as a gather",
     ("keras.src.backend.tensorflow.random", "dropout"): "dropout masks on a mesh, drawn whole",
     ("keras.src.distribution.distribution_lib", "set_distribution"):

@@ -8,12 +8,16 @@ of workers: the worker), and
 the chief writes the weight map (`<name>.weights.json`) once every worker's files are
 written: the map's presence means the checkpoint is whole. Nothing is gathered, nothing
 written twice. `model.load_weights` reads it, and so does plain Keras on one device
-(Keras >= 3.11, which reads a layer's variables from several files).
+(Keras >= 3.11, which reads a layer's variables from several files). Loaded under ZeRO
+across workers (any worker count or stage wrote it), each worker reads only the values it
+keeps: a weight held by another worker's replica (stage 3) is not read from disk
+(`read_by_owners`).
 
     >>> # On every worker, the same path, on a filesystem every worker writes to:
     >>> # model.save_weights("/shared/run/model.weights.json", max_shard_size=2)  # GB
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -22,7 +26,7 @@ import pathlib
 
 from tfpar.contract import hooks_of
 from tfpar.errors import ClusterError
-from tfpar.keras import internals
+from tfpar.keras import hooks, internals
 
 # The first Keras release whose sharded reader takes a variable group from several files
 # (a weight map entry that lists files).
@@ -213,5 +217,143 @@ def written_by_owners(save_weights_only):
             return save_weights_only(model, filepath, max_shard_size, *args, **kwargs)
         skip = kwargs.get("objects_to_skip", args[0] if args else None)
         return save(model, filepath, max_shard_size, plan, skip)
+
+    return wrapper
+
+
+class _Unread:
+    """A value of a sharded checkpoint that is read from its file when it is converted
+    (to a tensor or a NumPy array), through Keras' own reader; `shape` and `dtype` come
+    from the file's metadata. A stand-in of a weight another worker holds keeps nothing
+    of what it is given (`_keeping_nothing`), so its value is never read."""
+
+    def __init__(self, store, path, key):
+        self._store, self._path, self._key = store, path, key
+
+    def read(self):
+        return self._store.read(self._path, self._key)
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.read()
+        return value if dtype is None else value.astype(dtype)
+
+    @functools.cached_property
+    def _dataset_shape_and_dtype(self):
+        return self._store.described(self._path, self._key)
+
+    @property
+    def shape(self):
+        return self._dataset_shape_and_dtype[0]
+
+    @property
+    def dtype(self):
+        return self._dataset_shape_and_dtype[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _reader_class():
+    """Keras' sharded reader whose items are `_Unread`: a value is read only when a layer
+    or optimizer converts it."""
+    import h5py
+    import tensorflow as tf
+
+    sharded = internals.symbol("keras.src.saving.saving_lib.ShardedH5IOStore")
+    tf.register_tensor_conversion_function(
+        _Unread, lambda value, dtype=None, name=None, as_ref=False:
+        tf.convert_to_tensor(value.read(), dtype=dtype, name=name))
+
+    class LazyReader(sharded):
+        def get(self, path):
+            self.entry_path = path
+            return super().get(path)
+
+        def __getitem__(self, key):
+            return _Unread(self, self.entry_path, key)
+
+        def read(self, path, key):
+            """The value of `key` in `path`'s group, by Keras' reader (which switches
+            files); the store is left at the entry it was at."""
+            here = self.entry_path
+            self.get(path)
+            try:
+                return super().__getitem__(key)
+            finally:
+                self.get(here)
+
+        def described(self, path, key):
+            """(shape, dtype) of `key` in `path`'s group, from the files' metadata only."""
+            group = f"/{path}/vars" if path else "/vars"
+            names = self.sharding_config["weight_map"].get(group) or []
+            for name in [names] if isinstance(names, str) else names:
+                with h5py.File(self.path.with_name(name), "r") as f:
+                    link = f.get(f"{group}/{key}", getlink=True)
+                    if isinstance(link, h5py.HardLink):
+                        dataset = f[f"{group}/{key}"]
+                        if isinstance(dataset, h5py.Dataset):
+                            dtype = dataset.attrs.get("dtype", dataset.dtype)
+                            return tuple(dataset.shape), str(dtype)
+            raise KeyError(f"Key '{key}' not found in any of the shards: {names}")
+
+    return LazyReader
+
+
+@contextlib.contextmanager
+def _keeping_nothing(variables):
+    """`variables` (stand-ins of weights other workers hold) take no value: their
+    `assign` checks the value's shape only, so that the value is never read."""
+
+    def assign(variable, value):
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(f"The checkpoint's value for {variable.path} has shape "
+                             f"{tuple(value.shape)}; the variable's is "
+                             f"{tuple(variable.shape)}.")
+
+    for variable in variables:
+        hooks.patch_object(variable, "assign", functools.partial(assign, variable))
+    try:
+        yield
+    finally:
+        for variable in variables:
+            hooks.unpatch_object(variable, "assign")
+
+
+def load(model, filepath, held_elsewhere, skip_mismatch=False, objects_to_skip=None):
+    """Loads Keras' sharded weights at `filepath` into `model`, reading from disk only the
+    values this worker keeps (`held_elsewhere(variable)`: a weight another worker
+    holds). Keras' own walk (`_load_state`) does the rest, as in `load_weights_only`."""
+    load_state = internals.symbol("keras.src.saving.saving_lib._load_state")
+    raise_failure = internals.symbol("keras.src.saving.saving_lib._raise_loading_failure")
+    if not model.built:
+        raise ValueError("You are loading weights into a model that has not yet been "
+                         "built. Build it first (call it on some data, or model.build()).")
+    store = _reader_class()(filepath, mode="r")
+    failed, errors = set(), {}
+    remote = [v for v in model.weights if held_elsewhere(v)]
+    try:
+        with _keeping_nothing(remote):
+            load_state(model, weights_store=store, assets_store=None, inner_path="",
+                       skip_mismatch=skip_mismatch,
+                       visited_saveables={id(o) for o in objects_to_skip or ()},
+                       failed_saveables=failed, error_msgs=errors)
+    finally:
+        store.close()
+    if failed:
+        raise_failure(errors, warn_only=skip_mismatch)
+
+
+def read_by_owners(load_weights_only):
+    """saving_lib.load_weights_only: Keras' sharded weights ('*.weights.json') loaded into
+    a model whose strategy holds some weights on other workers (ZeRO-3 across workers)
+    are read only where they are kept (`load`)."""
+
+    @functools.wraps(load_weights_only)
+    def wrapper(model, filepath, skip_mismatch=False, objects_to_skip=None):
+        held_elsewhere = hooks_of(
+            getattr(model, "distribute_strategy", None))._tfpar_held_elsewhere
+        if held_elsewhere is None or not str(filepath).endswith(_SUFFIX) \
+                or "://" in str(filepath):
+            return load_weights_only(model, filepath, skip_mismatch=skip_mismatch,
+                                     objects_to_skip=objects_to_skip)
+        return load(model, filepath, held_elsewhere, skip_mismatch, objects_to_skip)
 
     return wrapper

@@ -110,7 +110,7 @@ class ShardedStorage:
                 for shard, spec in zip(self.shards, self._slice_specs())]
 
 
-_VALUE_KEY = "VARIABLE_VALUE"  # (TensorFlow's `trackable.base.VARIABLE_VALUE_KEY`.)
+_VALUE_KEY = variable_birth.VALUE_KEY
 
 
 # A shard of another task comes over in pieces of at most this many bytes: its worker

@@ -187,6 +187,25 @@ def _stored_before_written(direct_assign):
     return wrapper
 
 
+def _restored_with_its_shape(restore_from_tensors):
+    """A TensorFlow checkpoint restored across tasks (a pipeline's stages on workers) runs
+    in a tf.function, where a restored tensor's shape is unknown, and Keras' fallback
+    `assign` compares shapes statically ("Cannot take the length of shape with unknown
+    rank"): the tensor takes the variable's shape, checked when it runs."""
+    import tensorflow as tf
+
+    def wrapper(self, restored_tensors):
+        value = restored_tensors.get(VALUE_KEY)
+        if isinstance(value, tf.Tensor) and value.shape.rank is None:
+            restored_tensors = {**restored_tensors,
+                                VALUE_KEY: tf.ensure_shape(value, self.shape)}
+        return restore_from_tensors(self, restored_tensors)
+    return wrapper
+
+
+VALUE_KEY = "VARIABLE_VALUE"  # (TensorFlow's `trackable.base.VARIABLE_VALUE_KEY`.)
+
+
 def _announced_to_the_strategy(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -221,7 +240,8 @@ def patches():
     (owner, attribute, wrap)."""
     variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
-    for name in ("_initialize_with_initializer", "_deferred_initialize", "_direct_assign"):
+    for name in ("_initialize_with_initializer", "_deferred_initialize", "_direct_assign",
+                 "_restore_from_tensors"):
         internals.attr(variable, name)  # Fails closed before anything is wrapped.
     if not _checked:  # Once, before the wrappers ask strategies.
         check_layers_name_themselves()
@@ -229,4 +249,5 @@ def patches():
     return [(variable, "_initialize_with_initializer", _born_at_home),
             (variable, "_deferred_initialize", _deferred_born_at_home),
             (variable, "_direct_assign", _stored_before_written),
+            (variable, "_restore_from_tensors", _restored_with_its_shape),
             (trainer, "__init__", _announced_to_the_strategy)]

@@ -441,6 +441,7 @@ def patches():
             (base, "finalize_variable_values", _finalized_by_owners),
             (base, "save_own_variables", _saved_whole),
             (saving_lib, "save_weights_only", owner_saving.written_by_owners),
+            (saving_lib, "load_weights_only", owner_saving.read_by_owners),
             (base, "load_own_variables", _loaded_where_owned),
             (optimizer, "_backend_update_step", _sharded_update_step),
             (optimizer, "_apply_weight_decay", _left_to_owners)]

@@ -458,6 +458,28 @@ def _written_by_their_owners(directory, run, want):
         np.testing.assert_allclose(g, w, atol=1e-5, err_msg=run)
 
 
+def _each_loads_what_it_keeps(directory, shard):
+    """Loading Keras' sharded weights under ZeRO across workers: each worker reads from
+    disk about the bytes of the values it keeps (under stage 3 its share of the weights, not
+    all of them), and the loaded model steps as the saved one."""
+    reads = []
+    for i in (0, 1):
+        result = json.loads((directory / f"worker-{i}-mlp-{shard}.json").read_text())
+        # Exactly its values (Adam's slots, its weights: all under stages 1-2, its share
+        # under stage 3; the step counter, the learning rate) and nothing else ...
+        assert result["values_read"] == result["load_kept"], (shard, result)
+        # ... and from disk little more: the map, the files' metadata, HDF5's sieve
+        # buffer (up to 64 KiB read for a small value).
+        assert result["load_read"] < result["load_kept"] + 65536 * (result["values"] + 1), \
+            (shard, result)
+        reads.append(result["load_read"])
+        weights = list(np.load(directory / f"worker-{i}-mlp-{shard}.npz").values())
+        half = len(weights) // 2
+        for saved, loaded in zip(weights[:half], weights[half:]):
+            np.testing.assert_allclose(loaded, saved, atol=1e-6, err_msg=shard)
+    assert min(reads) > 0.3 * max(reads), reads  # (Both read: neither took it all.)
+
+
 def _one_process_run(optimizer):
     """Weights after 2 epochs, the optimizer state then, and weights after a third."""
     x, y = common.data()
@@ -494,6 +516,7 @@ def test_two_workers_sharded_train_save_and_resume_as_one_process(cluster, tmp_p
                    "--bytes_per_pack=64"])
     assert workers.wait(["worker:0", "worker:1"], timeout=300) == [0, 0], \
         workers.output()[-4000:]
+    _each_loads_what_it_keeps(tmp_path, shard)
     for optimizer in OPTIMIZERS:
         run = f"{shard}-{optimizer}"
         want, state, want_resumed, weight_bytes, slot_bytes, loss = _one_process_run(optimizer)

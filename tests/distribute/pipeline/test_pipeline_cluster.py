@@ -596,7 +596,8 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
     slots (its bytes of variables, within 1%), at the same time as the other, and the chief
     writes only the index (nothing gathered, nothing written twice); a plain Keras model on
     one device reads it back exactly (a split variable is saved whole, as its shards'
-    slices; issue 36 item 4)."""
+    slices; issue 36 item 4), and a fresh pipeline restores it, each worker reading its own
+    stage's bytes."""
     out = tmp_path / "out"
     out.mkdir()
     run = subprocess.run([PY, "-m", "tfpar.cli.launch", "--workers=2", "--coordinator",
@@ -615,6 +616,10 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
         assert held <= result["written"][f"worker:{index}"] <= 1.01 * held, result
     assert result["written"]["chief:0"] < 0.01 * sum(held for _, held in stages), result
     assert len(list(out.glob("ckpt.data-*"))) == 3  # A shard per host, the chief's too.
+    if tensor_parallel == 1:  # Restored into a pipeline: each worker reads its stage.
+        for index, (device, held) in enumerate(stages):
+            assert held <= result["read"][f"worker:{index}"] <= 1.05 * held + 65536, result
+        assert result["read"]["chief:0"] < 0.05 * sum(held for _, held in stages), result
 
 
 @pytest.mark.slow

@@ -420,6 +420,14 @@ class MultiWorkerDataParallelStrategy(DataParallelStrategy, tf.distribute.MultiW
         return owner_checkpoint.OwnerCheckpoint(self, self._dp_peers, self._dp_check_seconds,
                                                 self._dp_saves)
 
+    @property
+    def _tfpar_held_elsewhere(self):
+        # Asked by the Keras seam when a model loads Keras' sharded weights: a weight held
+        # by another worker's replica (stage 3) is not read.
+        if not self._tfpar_shard_stage:
+            return None
+        return owner_checkpoint.held_elsewhere(self._tfpar_shard_owners)
+
     def _tfpar_broadcast_from_chief(self, variables):
         # Asked by the Keras seam when BackupAndRestore resumes: the chief restored.
         owner_values.broadcast_from_first_replica(self, variables)

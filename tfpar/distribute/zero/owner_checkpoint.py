@@ -8,7 +8,8 @@ is written by the owner of its state) to shard files of its own, the chief also 
 replica owns (step counters, non-trainable variables) and the weight map. Nothing is
 gathered and nothing written twice. The Keras seam's store (`tfpar.keras.owner_saving`)
 asks this plan; workers agree on the path and meet when every file is written through the
-cluster's coordination service (no collective, nothing traced).
+cluster's coordination service (no collective, nothing traced). A load reads only what
+each worker keeps (`held_elsewhere`).
 """
 
 import json
@@ -24,6 +25,15 @@ def _storage(value):
     """The tf.Variable holding a Keras variable's value; None for any other value."""
     storage = models.tf_variable(value)
     return storage if isinstance(storage, tf.Variable) else None
+
+
+def held_elsewhere(owners):
+    """Whether a Keras variable is a stand-in of a weight held on another worker (by
+    `owners`, a ZeRO-3 strategy's `ShardOwners`), as a function; None when no weight is."""
+    remote = owners.remote
+    if not remote:
+        return None
+    return lambda value: id(_storage(value)) in remote
 
 
 class OwnerCheckpoint:
