@@ -88,6 +88,9 @@ class StrategyHooks:
     # () -> who writes which variable of a sharded save, or None (`tfpar.keras.owner_saving`;
     # `tfpar.distribute.zero.owner_checkpoint.OwnerCheckpoint`).
     _tfpar_owner_checkpoint = None
+    # In a replica: what it holds of each sequence under context parallelism (a
+    # `tfpar.distribute.context.sequence_split.SequenceShards`), else None.
+    _tfpar_context_shards = None
     # (keras variable) -> whether it is a stand-in of a weight another worker holds (ZeRO-3
     # across workers: a load reads only what is kept), or None.
     _tfpar_held_elsewhere = None

@@ -195,6 +195,11 @@ LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x 
 HALVING_DOUBLING_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "metrics_confusion",
                              "uneven_global_batch", "clip_global_norm_one_replica",
                              "adamw_recipe", "overflow_one_replica", "custom_loop"]
+# Context parallelism (cp3): the attention model equal; models without attention, or with a
+# layer that mixes positions otherwise, refused before the first step.
+CONTEXT_PARALLEL_FEATURES = ["causal_attention", "masked_dense_mean", "masked_pooling",
+                             "loss_sum_over_batch_size"]
+NO_ATTENTION = "error:ValueError:the model has no attention layer"
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -304,6 +309,8 @@ def _expected():
         cells[f, harness.MESH] = EQUAL  # (keras.distribution clips DTensor gradients.)
     for s in ("1f1b", "pipe_r2k2", harness.PIPE_TP):
         cells["masked_dense_mean", s] = "error:ValueError:its outputs are masked"
+        if ("causal_attention", s) in cells:
+            cells["causal_attention", s] = "error:ValueError:its outputs are masked"
     cells["custom_loop_clip", harness.PIPE_TP] = cells["custom_loop", harness.PIPE_TP]
     for f in ("opt_use_ema", "opt_ema_momentum", "opt_ema_overwrite_frequency"):
         cells[f, harness.PIPE_TP] = "error:ValueError:use_ema=True)'s averages of split"
@@ -328,6 +335,14 @@ def _expected():
         cells[f, "dp2_local"] = LOCAL_STEPS
     for f in HALVING_DOUBLING_FEATURES:
         cells[f, "dp3_hd"] = EQUAL
+    for f in harness.FEATURE_NAMES:
+        cells.pop((f, "cp3"), None)
+    cells["causal_attention", "cp3"] = EQUAL
+    cells["masked_dense_mean", "cp3"] = NO_ATTENTION
+    cells["loss_sum_over_batch_size", "cp3"] = (  # (4 features taken for the sequence.)
+        "error:ValueError:its length 4 does not split into 2 x 3 = 6 equal chunks")
+    cells["masked_pooling", "cp3"] = ("error:ValueError:GlobalAveragePooling1D) is not known "
+                                      "to act on each position alone")
     cells["gradient_accumulation", "dp2_local"] = (
         "error:ValueError:gradient_accumulation_steps=2 is not supported with sync_every=2")
     return {cell: target for cell, target in cells.items()
@@ -373,7 +388,8 @@ HEADERS = {"dp2": "DP 2", "dp4": "DP 4", "mp": "MP 2", "gpipe": "GPipe K2 M4",
            "dp2_bf16": "DP 2 bf16 gradients", "dp2_local": "DP 2 sync_every=2",
            "dp3_hd": "DP 3 halving-doubling", "pipe_tp_zb": "ZB-H1 K2 x TP 2 M2",
            "tp_zero3": "R2 x TP 2 ZeRO-3 M2", "zero1_bf16": "ZeRO-1 DP 2 bf16 gradients",
-           "pipe_r2k2_bf16": "1F1B R2 K2 M2 bf16 gradients"}
+           "pipe_r2k2_bf16": "1F1B R2 K2 M2 bf16 gradients",
+           "cp3": "DP 3 context_parallel=3"}
 
 
 def render_table():

@@ -60,6 +60,9 @@ STRATEGIES = {
     # Halving-doubling over 3 replicas: the third hands its buffer to the first, the first
     # two exchange halves, the sum goes back.
     "dp3_hd": lambda: tfpar.DataParallelStrategy(cpus(3), communication="halving_doubling"),
+    # Context parallelism: every sequence split over 3 replicas (6 positions: chunks of 1,
+    # replica c holding positions c and 5 - c).
+    "cp3": lambda: tfpar.DataParallelStrategy(cpus(3), context_parallel=3),
 }
 # "pipe_zero1/2/3": pipe_r2k2 with ZeRO stage 1, 2 or 3 over each stage's 2 replicas
 # (expected.PIPELINE_ZERO_FEATURES, expected.PIPELINE_ZERO23_FEATURES).
@@ -72,10 +75,12 @@ STRATEGIES = {
 # and 1F1B share their code and run on all; expected.TWO_BW_FEATURES; "dp2_bf16", gradients
 # summed in bfloat16: expected.COMPRESSION_FEATURES; "dp2_local", periodic averaging:
 # expected.LOCAL_SGD_FEATURES; "dp3_hd", halving-doubling all-reduces:
-# expected.HALVING_DOUBLING_FEATURES). (The subsets keep the
+# expected.HALVING_DOUBLING_FEATURES; "cp3", context parallelism:
+# expected.CONTEXT_PARALLEL_FEATURES). (The subsets keep the
 # suite's time down: a cell costs 2-14 s, mostly TensorFlow tracing.)
 SUBSET_COLUMNS = ("dp4", "zero1", "zero2", "gpipe", "pipe_r2k2", "zb", "2bw", "pipe_zero1",
-                  "pipe_zero2", "pipe_zero3", "mp", "zero3", "dp2_bf16", "dp2_local", "dp3_hd")
+                  "pipe_zero2", "pipe_zero3", "mp", "zero3", "dp2_bf16", "dp2_local", "dp3_hd",
+                  "cp3")
 STRATEGY_IDS = [s for s in STRATEGIES if s not in SUBSET_COLUMNS]
 # keras.distribution on TensorFlow (tfpar.MeshStrategy): a (2, 2) mesh, each batch split
 # over the data axis and the features' two hidden Dense layers split over the model axis as
@@ -393,6 +398,16 @@ def masked_dense_model():
         keras.layers.Dense(3, name="out")])
 
 
+def causal_attention_model():
+    """Embedding(mask_zero=True) -> causal self-attention (its padding mask from the
+    embedding) -> Dense, per time step: the model context parallelism splits by positions."""
+    keras.utils.set_random_seed(SEED)
+    ids = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(10, 4, mask_zero=True, name="emb")(ids)
+    h = keras.layers.MultiHeadAttention(2, 2, name="attention")(x, x, use_causal_mask=True)
+    return keras.Model(ids, keras.layers.Dense(3, name="out")(h))
+
+
 def custom_step_model():
     inputs = keras.Input((4,))
     h = keras.layers.Dense(8, activation="tanh", name="d1")(inputs)
@@ -679,6 +694,10 @@ def _recipe_features():
                 summary="Embedding(mask_zero=True) -> Dense -> Dense, per-step loss summed"),
         Feature("masked_dense_mean", masked_dense_model, basic_compile(), data=sequences,
                 summary="Embedding(mask_zero=True) -> Dense -> Dense, per-step mean loss"),
+        Feature("causal_attention", causal_attention_model, basic_compile(), data=sequences,
+                batch_size=20,
+                summary="Embedding(mask_zero=True) -> causal MultiHeadAttention -> Dense, "
+                        "per-step mean loss; batches of 20 (the last 8)"),
     ]
 
 

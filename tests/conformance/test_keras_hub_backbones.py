@@ -102,11 +102,15 @@ STRATEGIES = {  # column: (how it is made, what the README calls it)
         cpus(4), num_stages=2, num_micro_batches=2, tensor_parallel=2,
         layout_map=_megatron_layout()), "pipeline 2 x tensor 2 (Megatron split)"),
     "mesh": (_mesh, "MeshStrategy 2 x 2, the backbone's own layout map (else Megatron's)"),
+    "cp2": (lambda name: tfpar.DataParallelStrategy(cpus(2), context_parallel=2),
+            "context parallel, 2 (the sequence split)"),
 }
 BACKBONES = ("GPT-2", "Llama", "Gemma", "BERT")
 # "equal", or "refused: <what the error says>"
 EXPECTED = {(b, s): "equal" for b in BACKBONES for s in STRATEGIES}
 EXPECTED[("Llama", "mesh")] = "refused: DTensor cannot run"
+EXPECTED[("Gemma", "cp2")] = "refused: not known to act on each position alone"
+EXPECTED[("BERT", "cp2")] = "refused: of model 'bert_backbone' is not elementwise"
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,8 @@ ATTRIBUTES = {
     "_dropout": "keras.layers.MultiHeadAttention (its rate: a share of the heads would draw "
                 "another dropout mask)",
     "_use_gate": "keras.layers.MultiHeadAttention (gated attention, since Keras 3.14)",
+    "_sliding_window": "keras.layers.MultiHeadAttention (sliding-window attention, since "
+                       "Keras 3.15: not under context parallelism yet)",
     "_flatten_metrics_in_order": "keras.Model",
     "_get_own_losses": "keras.layers.Layer",
     "_clear_losses": "keras.layers.Layer",
@@ -281,6 +283,7 @@ WRAPS = {
     ("TFEpochIterator", "_get_iterator"): "arrays: an iterator made when first read",
     ("TFEpochIterator", "_enumerate_iterator"): "arrays: an iterator made when first read",
     (_TRAINER, "_make_function"): "jit_compile refused clearly before the first step",
+    (_TRAINER, "predict_step"): "context parallelism: each example's sequence predicted whole",
     ("keras.src.losses.loss", "reduce_weighted_values"): "mean losses over the global batch",
     ("keras.src.losses.loss", "unscale_loss_for_distribution"): "the loss tracker's value",
     ("keras.src.losses.loss", "scale_loss_for_distribution"): "losses added in call, in parts",
@@ -336,6 +339,8 @@ SINCE = {
     # Keras 3.15 gave every variable its own layout (optimizer state takes its variable's);
     # before, the distribution's LayoutMap decides for each, as tfpar then does.
     "_layout": ("keras", "3.15.0", None),
+    # Keras 3.15 gave MultiHeadAttention a sliding window; before, none has one.
+    "_sliding_window": ("keras", "3.15.0", None),
 }
 
 MANIFEST = {**SYMBOLS, **ATTRIBUTES, **OVERRIDES}

@@ -57,6 +57,7 @@ from tfpar.keras import local_steps
 from tfpar.keras import gradient_clipping
 from tfpar.keras import look_ahead
 from tfpar.keras import internals
+from tfpar.keras import context_layers
 from tfpar.keras import models
 from tfpar.keras import ps_state
 from tfpar.keras import steps
@@ -833,4 +834,5 @@ def patches():
         (optimizer, "_all_reduce_sum_gradients", _reduced_where_they_are),
         (optimizer, "_overwrite_model_variables_with_average_value",
          _ema_overwritten_per_replica),
-    ] + gradient_clipping.patches() + look_ahead.patches() + local_steps.patches()
+    ] + (gradient_clipping.patches() + look_ahead.patches() + local_steps.patches()
+         + context_layers.patches())

@@ -75,3 +75,27 @@ def ring_bytes(key_value_bytes, devices):
     3000
     """
     return (devices - 1) * key_value_bytes
+
+
+def positions_of(device, devices, length):
+    """The sequence positions (of `length`) that `device` holds, in its order: its early
+    chunk, then its late one.
+
+    >>> positions_of(0, 2, 8), positions_of(1, 2, 8)
+    ([0, 1, 6, 7], [2, 3, 4, 5])
+    """
+    size = length // (2 * devices)
+    return [chunk * size + i for chunk in chunks_of(device, devices) for i in range(size)]
+
+
+def global_order(devices, length):
+    """Where each position of the sequence is among the devices' parts laid end to end
+    (device 0's part, then device 1's, ...): index i of the result is the place of
+    position i, so gathering the concatenated parts at these places restores the order.
+
+    >>> global_order(2, 8)
+    [0, 1, 4, 5, 6, 7, 2, 3]
+    """
+    held = [p for device in range(devices) for p in positions_of(device, devices, length)]
+    place = {position: index for index, position in enumerate(held)}
+    return [place[position] for position in range(length)]

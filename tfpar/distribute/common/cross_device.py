@@ -34,7 +34,7 @@ def routed_all_reduce(communication, num_replicas, key_base, host_of_rank=None):
 
 
 def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pack=0,
-                          key_base=None):
+                          key_base=None, gathers=False):
     """Returns a `tf.distribute.CrossDeviceOps` for a concrete communication.
 
     Over devices of several processes only collectives reduce (TensorFlow's in-process
@@ -51,7 +51,15 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
         packs of about this many bytes (0: one collective per tensor).
       key_base: the strategy's block of group keys ("halving_doubling" only: its pairs'
         groups are keyed from it).
+      gathers: the replicas also all-gather (context parallelism): only collectives do,
+        so "nccl" is the collective's NCCL implementation (TensorFlow's in-process NCCL
+        ops reduce only), and a root device or a copy hierarchy is refused.
     """
+    if gathers and communication not in (comm.NCCL, comm.RING):
+        raise ValueError(
+            f"Context parallelism gathers keys and values between the replicas, which "
+            f"TensorFlow's collectives do: communication='ring' (or 'nccl' on GPUs, "
+            f"'auto'), not {communication!r}.")
     if communication == comm.HALVING_DOUBLING:
         if key_base is None:
             raise ValueError("communication='halving_doubling' reduces the replicas of a "
@@ -60,7 +68,7 @@ def make_cross_device_ops(communication, devices, collective_keys, bytes_per_pac
             tf_runtime.ring_all_reduce(devices, bytes_per_pack, collective_keys),
             len(devices), collective_keys, tf_runtime.ring_options(bytes_per_pack), 0,
             routed_all_reduce(communication, len(devices), key_base))
-    if devices_lib.spans_tasks(devices):
+    if devices_lib.spans_tasks(devices) or gathers:
         if communication not in (comm.NCCL, comm.RING):  # (TensorFlow's collectives.)
             raise ValueError(f"Devices of several processes reduce by collectives only, not "
                              f"{communication!r}: {', '.join(devices)}.")

@@ -1,5 +1,6 @@
 """Synchronous mirrored data parallelism, on one host or across TF_CONFIG workers."""
 
+import functools
 import math
 
 import tensorflow as tf
@@ -12,6 +13,7 @@ from tfpar.distribute.common import owner_values
 from tfpar.distribute.common import rendezvous
 from tfpar.distribute.common.cross_device import (install_launchers, make_cross_device_ops,
                                                  routed_all_reduce)
+from tfpar.distribute.context import sequence_split
 from tfpar.distribute.data_parallel import local_sgd, multi_worker, stock_arguments
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import owner_checkpoint
@@ -20,9 +22,11 @@ from tfpar.distribute.zero import zero_owners
 from tfpar.distribute.zero import zero_pacing
 from tfpar.distribute.zero import zero_sharding as sharded
 from tfpar.errors import DeviceError
+from tfpar.keras import context_layers
 from tfpar.keras import hooks as keras_hooks
 from tfpar.keras import internals
 from tfpar.keras import local_steps
+from tfpar.keras import models as keras_models
 from tfpar.keras import tf_runtime
 from tfpar.keras import zero_optimizers as keras_sharded
 from tfpar.keras.replicas import xla_refusal
@@ -107,6 +111,19 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
       sync_optimizer_state: under `sync_every` > 1, average the optimizer's float state
         (Adam's moments, momentum) with the weights. Default False: each replica keeps
         its own, as PyTorch's model averager does.
+      context_parallel: C > 1 splits every sequence of the batch over the C replicas
+        (context parallelism, for sequences longer than one device's activations hold):
+        each holds two of 2C chunks of every example's positions (an early and a late
+        one, so that causal attention costs every replica alike), its layers run on its
+        positions, and attention gathers the keys and values of the whole sequence from
+        the others (Llama 3's all-gather context parallelism). Inputs whose second axis
+        is the sequence (the first input's static length, a multiple of 2C) are split;
+        the loss is normalized over every replica's tokens, gradients summed as in data
+        parallelism. Keras' attention, keras-hub's transformer layers and position
+        embeddings learn the split (`tfpar.keras.context_layers`); a model with a layer
+        that mixes positions otherwise (pooling, convolutions, recurrence) is refused
+        before its first step. For now C is the number of replicas, on one host, and
+        `predict` is refused (its outputs would be in the split's order).
 
     Examples:
       >>> import keras, numpy as np, tfpar
@@ -126,7 +143,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
                 cluster_resolver=None, timeout_seconds=None, shard=None,
                 reshard_after_forward=None, cross_device_ops=None,
                 communication_options=None, compression=None, sync_every=1,
-                sync_optimizer_state=False):
+                sync_optimizer_state=False, context_parallel=1):
         if cls is DataParallelStrategy:
             cluster_resolver = stock_arguments.positional(
                 devices, communication, cluster_resolver, None, None)[2]
@@ -138,7 +155,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
                  cluster_resolver=None, timeout_seconds=None, shard=None,
                  reshard_after_forward=None, cross_device_ops=None,
                  communication_options=None, compression=None, sync_every=1,
-                 sync_optimizer_state=False):
+                 sync_optimizer_state=False, context_parallel=1):
         # One construction path for one host and for workers; what differs is in the
         # `_tfpar_*` steps that MultiWorkerDataParallelStrategy overrides.
         devices, communication, cluster_resolver, cross_device_ops, communication_options = (
@@ -160,10 +177,14 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
             multi_worker=isinstance(self, tf.distribute.MultiWorkerMirroredStrategy))
         self.sync_every = local_sgd.check_sync_every(sync_every, shard, compression)
         self.sync_optimizer_state = bool(sync_optimizer_state)
+        self.context_parallel = sequence_split.check_context_parallel(
+            context_parallel, sync_every=self.sync_every,
+            multi_worker=isinstance(self, tf.distribute.MultiWorkerMirroredStrategy))
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
         self._dp_regathered_models = set()  # ids of the models made to regather.
-        if self.reshard_after_forward:
+        if self.reshard_after_forward or self.context_parallel > 1:
             keras_hooks.install_model_call_hook()
+        self._dp_context_prepared = set()  # ids of the models taught the split sequence.
         self._dp_cluster_resolver = (
             cluster_resolver or tf.distribute.cluster_resolver.TFConfigClusterResolver())
         # Under shard=..., tfpar packs gradients itself (in these buckets), whatever the
@@ -174,6 +195,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
             devices, communication, None if self._tfpar_shard_stage else bytes_per_pack,
             timeout_seconds)
         tf.distribute.Strategy.__init__(self, extended)
+        sequence_split.check_devices(self.context_parallel, self.num_replicas_in_sync)
         keras_hooks.install_exact_replicas()
         self._install_keras_hooks()
         sharded.set_up(self, self.num_replicas_in_sync, lambda: zero_collectives.ShardCollectives(
@@ -188,6 +210,9 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self.communication = communication if given else select_communication(
             communication, [devices_lib.device_type(d) for d in resolved],
             physical_gpus=devices_lib.physical_gpus_of(resolved))  # (Given: its class name.)
+        if self.context_parallel > 1 and communication == "auto" \
+                and self.communication == "reduce_to_one":
+            self.communication = "ring"  # (A root device does not gather; collectives do.)
         bytes_per_pack = check_bytes_per_pack(bytes_per_pack, default=0)
         if bytes_per_pack and self.communication not in PACKING:
             raise ValueError(
@@ -197,7 +222,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         # Read by MirroredExtended when it makes its CollectiveKeys.
         tf_runtime.set_collective_key_base(self, group_keys.next_key_base())
         return _DataParallelExtended(self, resolved, self.communication, bytes_per_pack,
-                                     self._given_cross_device_ops, self._collective_key_base)
+                                     self._given_cross_device_ops, self._collective_key_base,
+                                     gathers=self.context_parallel > 1)
 
     def _install_keras_hooks(self):
         keras_hooks.install_crash_safe_backups()
@@ -235,6 +261,10 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
 
     def _tfpar_before_model_call(self, model, args, kwargs):
         # Asked by the Keras seam before a model made under this strategy runs.
+        if (self.context_parallel > 1 and id(model) not in self._dp_context_prepared
+                and not keras_models.any_symbolic_tensors(args, kwargs)):
+            context_layers.prepare(model)  # (At its first run; not as a graph is built.)
+            self._dp_context_prepared.add(id(model))
         if self.reshard_after_forward and id(model) not in self._dp_regathered_models:
             keras_sharded.regather_in_backward(model)
             self._dp_regathered_models.add(id(model))
@@ -257,6 +287,15 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         config = self._tfpar_memory_config(plan_memory.compiled_optimizer_slots(model))
         return memory.measure(self, model, optimizer or getattr(model, "optimizer", None),
                               config, devices, gradients, gather)
+
+    @property
+    def _tfpar_context_shards(self):
+        # Read by the Keras seam's layers in a replica: the sequence is split over them.
+        return self._dp_sequence_shards if self.context_parallel > 1 else None
+
+    @functools.cached_property
+    def _dp_sequence_shards(self):
+        return sequence_split.SequenceShards(self.context_parallel)
 
     @property
     def _tfpar_compression(self):
@@ -287,6 +326,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     def _options_repr(self):
         options = "".join(f", {name}={getattr(self, name)!r}"
                           for name in ("shard", "compression") if getattr(self, name))
+        if self.context_parallel > 1:
+            options += f", context_parallel={self.context_parallel}"
         if self.sync_every > 1:
             options += f", sync_every={self.sync_every}"
         return options
@@ -301,8 +342,9 @@ class _DataParallelExtended(zero_owners.OwnerPlacedVariables, tf_runtime.mirrore
     """MirroredExtended with tfpar's reduction choice and batch checks."""
 
     def __init__(self, container_strategy, devices, communication, bytes_per_pack,
-                 given_ops=None, key_base=None):
+                 given_ops=None, key_base=None, gathers=False):
         self._dp_communication = communication
+        self._dp_gathers = gathers
         self._dp_bytes_per_pack = bytes_per_pack
         self._dp_key_base = key_base
         self._given_cross_device_ops = given_ops  # A user's cross_device_ops, used as given.
@@ -313,9 +355,13 @@ class _DataParallelExtended(zero_owners.OwnerPlacedVariables, tf_runtime.mirrore
         tf_runtime.set_cross_device_ops(
             self, self._given_cross_device_ops or make_cross_device_ops(
                 self._dp_communication, tf_runtime.replica_devices(self),
-                tf_runtime.collective_keys(self), self._dp_bytes_per_pack, self._dp_key_base))
+                tf_runtime.collective_keys(self), self._dp_bytes_per_pack, self._dp_key_base,
+                gathers=self._dp_gathers))
 
     def _experimental_distribute_dataset(self, dataset, options):
+        context_parallel = self._container_strategy().context_parallel
+        if context_parallel > 1:
+            dataset = sequence_split.split_sequences(dataset, context_parallel)
         dataset = check_first_batch(dataset, len(tf_runtime.replica_devices(self)))
         return super()._experimental_distribute_dataset(dataset, options)
 

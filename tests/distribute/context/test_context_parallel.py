@@ -1,0 +1,198 @@
+"""Context parallelism (issue 37): `DataParallelStrategy(context_parallel=C)` splits every
+sequence over C replicas (two of 2C chunks each), attention gathers the keys and values.
+Equal to one device with padding and causal masks and an attention-mask input; the keras-hub
+backbones are in tests/conformance/test_keras_hub_backbones.py, the conformance column
+`cp3` in the Keras conformance table."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfpar
+from conftest import cpus
+from tfpar.plan import context_parallel as plan
+
+LENGTH, VOCABULARY, EXAMPLES, BATCH = 8, 16, 24, 12
+
+
+def _tokens(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, VOCABULARY, size=(EXAMPLES, LENGTH)).astype("int32")
+    x[::3, LENGTH - 3:] = 0  # A third of the rows end in padding, a third start with it
+    x[1::3, :3] = 0  # (which a causal query sees unless the keys' padding is masked).
+    return x, rng.integers(0, VOCABULARY, size=(EXAMPLES, LENGTH)).astype("int32")
+
+
+def _attention_model(with_mask_input=False):
+    """Embedding(mask_zero) -> causal MultiHeadAttention, its keys' padding masked (and an
+    attention-mask input) -> LayerNormalization -> Dense, per position."""
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((LENGTH,), dtype="int32", name="ids")
+    inputs = [ids]
+    x = keras.layers.Embedding(VOCABULARY, 8, mask_zero=True)(ids)
+    kwargs = {}
+    if with_mask_input:
+        mask = keras.Input((LENGTH, LENGTH), dtype="int32", name="attention_mask")
+        inputs.append(mask)
+        kwargs["attention_mask"] = mask
+    keys = keras.ops.not_equal(ids, 0)  # (Keras' MHA takes its keys' padding as value_mask.)
+    h = keras.layers.MultiHeadAttention(2, 4, name="attention")(
+        x, x, value_mask=keys, use_causal_mask=True, **kwargs)
+    h = keras.layers.LayerNormalization()(h + x)
+    model = keras.Model(inputs, keras.layers.Dense(VOCABULARY)(h))
+    model.compile(keras.optimizers.SGD(0.5),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def _fit(strategy, make, x, y):
+    with strategy.scope() if strategy else tf.distribute.get_strategy().scope():
+        model = make()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return model, history.history
+
+
+def test_each_replica_is_handed_its_two_chunks_of_every_sequence():
+    strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
+    positions = np.tile(np.arange(LENGTH, dtype="int32"), (4, 1)) + 100 * np.arange(4)[:, None]
+    weights = np.arange(4, dtype="float32")  # Per example: every replica has them all.
+    dataset = tf.data.Dataset.from_tensor_slices((positions, weights)).batch(4)
+    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+    for c, (got, got_weights) in enumerate(zip(
+            *(strategy.experimental_local_results(t) for t in batch))):
+        held = plan.positions_of(c, 2, LENGTH)  # [0, 1, 6, 7] and [2, 3, 4, 5]
+        np.testing.assert_array_equal(got.numpy(), positions[:, held])
+        np.testing.assert_array_equal(got_weights.numpy(), weights)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_causal_attention_with_padding_trains_predicts_and_evaluates_as_one_device(devices):
+    x, y = _tokens()
+    want, want_history = _fit(None, _attention_model, x, y)
+    strategy = tfpar.DataParallelStrategy(cpus(devices), context_parallel=devices)
+    got, history = _fit(strategy, _attention_model, x, y)
+    np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history["accuracy"], want_history["accuracy"], rtol=1e-6)
+    initial = _attention_model().get_weights()
+    assert max(np.abs(w - w0).max() for w, w0 in zip(want.get_weights(), initial)) > 1e-2
+    for g, w in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    # Predictions whole and in order (each example's sequence put back together).
+    np.testing.assert_allclose(got.predict(x, batch_size=BATCH, verbose=0),
+                               want.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
+    np.testing.assert_allclose(got.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               want.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+
+
+def test_an_attention_mask_input_is_split_by_queries_and_keeps_every_key():
+    x, y = _tokens(1)
+    rng = np.random.default_rng(2)
+    mask = (rng.uniform(size=(EXAMPLES, LENGTH, LENGTH)) > 0.3).astype("int32")
+    mask[:, :, 0] = 1  # (Every query sees at least the first key.)
+    inputs = {"ids": x, "attention_mask": mask}
+    make = lambda: _attention_model(with_mask_input=True)  # noqa: E731
+    want, _ = _fit(None, make, inputs, y)
+    got, _ = _fit(tfpar.DataParallelStrategy(cpus(2), context_parallel=2), make, inputs, y)
+    for g, w in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_the_keys_and_values_are_gathered_and_the_scores_are_a_replicas_rows():
+    """Each replica's attention scores are its L/C queries against the L keys, and the
+    traced forward gathers keys and values from the replicas (the padding mask too)."""
+    x, _ = _tokens()
+    strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
+    with strategy.scope():
+        model = _attention_model()
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(BATCH))))
+
+    @tf.function
+    def forward(batch):
+        return strategy.run(lambda b: model(b, training=True), args=(batch,))
+
+    operations = forward.get_concrete_function(batch).graph.get_operations()
+    ranks = [op.outputs[0].shape.rank for op in operations if op.type == "CollectiveGatherV2"]
+    # Per replica: keys and values ([batch, positions, heads, depth]); in one process the
+    # padding mask is put together in the graph.
+    assert ranks.count(4) == 4, ranks
+    scores = [op.outputs[0].shape.as_list()[1:] for op in operations if op.type == "Softmax"]
+    assert scores == [[2, LENGTH // 2, LENGTH]] * 2, scores  # [heads, queries, keys]
+
+
+def test_models_and_settings_it_cannot_split_are_refused_before_the_first_step():
+    x, y = _tokens()
+    strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((LENGTH,), dtype="int32")
+        h = keras.layers.Embedding(VOCABULARY, 8)(ids)
+        h = keras.layers.MultiHeadAttention(2, 4)(h, h)
+        h = keras.layers.Conv1D(8, 3, padding="same", name="conv")(h)
+        model = keras.Model(ids, keras.layers.Dense(VOCABULARY)(h))
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # (Keras 3.10 wraps it in a RuntimeError of its model build, the message inside.)
+    with pytest.raises((ValueError, RuntimeError),
+                       match=r"layer 'conv' \(Conv1D\) is not known to act on each position "
+                             r"alone"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    odd = np.zeros((4, 6), "int32")  # 6 positions do not split into 2 x 2 chunks
+    with pytest.raises(ValueError, match=r"its length 6 does not split into 2 x 2 = 4"):
+        model.fit(odd, odd, batch_size=4, verbose=0)
+    with pytest.raises(ValueError, match="must equal the number of replicas"):
+        tfpar.DataParallelStrategy(cpus(4), context_parallel=2)
+    with pytest.raises(ValueError, match="Drop sync_every=2"):
+        tfpar.DataParallelStrategy(cpus(2), context_parallel=2, sync_every=2)
+    with pytest.raises(ValueError, match="an int >= 1"):
+        tfpar.DataParallelStrategy(cpus(2), context_parallel=0)
+    with pytest.raises(ValueError, match="TensorFlow's collectives do"):
+        tfpar.DataParallelStrategy(cpus(2), context_parallel=2, communication="reduce_to_one")
+
+
+def test_gpus_gather_by_the_collectives_nccl_not_the_in_process_nccl_ops():
+    # No GPU here: build (not run) the ops TensorFlow would use for two GPUs.
+    from tensorflow.python.distribute import cross_device_ops, cross_device_utils
+
+    from tfpar.distribute.common.cross_device import make_cross_device_ops
+
+    gpus = ("/job:localhost/replica:0/task:0/device:GPU:0",
+            "/job:localhost/replica:0/task:0/device:GPU:1")
+    keys = cross_device_utils.CollectiveKeys()
+    assert isinstance(make_cross_device_ops("nccl", gpus, keys), tf.distribute.NcclAllReduce)
+    ops = make_cross_device_ops("nccl", gpus, keys, gathers=True)
+    assert isinstance(ops, cross_device_ops.CollectiveAllReduce)
+    assert ops._options.implementation == (  # noqa: SLF001
+        tf.distribute.experimental.CommunicationImplementation.NCCL)
+
+
+def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas():
+    """keras-hub's decoder blocks (their self-attention mask made from the whole sequence's
+    padding and the positions) and learned positions (the replica's own) at C=4; rows padded
+    at the start, so every causal query sees padded keys unless the gathered mask hides them."""
+    keras_hub = pytest.importorskip("keras_hub")
+    length = 16
+
+    def make():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, hidden_dim=8,
+            intermediate_dim=16, max_sequence_length=length, dropout=0.0)
+        inputs = {k: keras.Input((length,), dtype="int32", name=k) for k in backbone.input}
+        model = keras.Model(inputs, keras.layers.Dense(VOCABULARY)(backbone(inputs)))
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    rng = np.random.default_rng(3)
+    padding = np.ones((EXAMPLES, length), "int32")
+    padding[::2, :5] = 0
+    x = {"token_ids": rng.integers(1, VOCABULARY, (EXAMPLES, length)).astype("int32") * padding,
+         "padding_mask": padding}
+    y = rng.integers(0, VOCABULARY, (EXAMPLES, length)).astype("int32")
+    want, _ = _fit(None, make, x, y)
+    got, _ = _fit(tfpar.DataParallelStrategy(cpus(4), context_parallel=4), make, x, y)
+    for g, w, variable in zip(got.get_weights(), want.get_weights(), want.weights):
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=variable.path)
