@@ -149,3 +149,41 @@ class CrashAt(_callback_base()):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Context parallelism: token sequences, a third padded at the end and a third at the start,
+# and a causal attention model whose keys' padding is masked.
+SEQUENCE_LENGTH, SEQUENCE_VOCABULARY, SEQUENCE_EXAMPLES, SEQUENCE_BATCH = 8, 16, 24, 12
+
+
+def sequence_data(seed=0, length=SEQUENCE_LENGTH, examples=SEQUENCE_EXAMPLES):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, SEQUENCE_VOCABULARY, size=(examples, length)).astype("int32")
+    x[::3, length - 3:] = 0
+    x[1::3, :3] = 0
+    return x, rng.integers(0, SEQUENCE_VOCABULARY, size=(examples, length)).astype("int32")
+
+
+def causal_attention_model(length=SEQUENCE_LENGTH, with_mask_input=False):
+    """Embedding(mask_zero) -> causal MultiHeadAttention, its keys' padding masked (and an
+    attention-mask input) -> LayerNormalization -> Dense, per position; SGD."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((length,), dtype="int32", name="ids")
+    inputs = [ids]
+    x = keras.layers.Embedding(SEQUENCE_VOCABULARY, 8, mask_zero=True)(ids)
+    kwargs = {}
+    if with_mask_input:
+        mask = keras.Input((length, length), dtype="int32", name="attention_mask")
+        inputs.append(mask)
+        kwargs["attention_mask"] = mask
+    keys = keras.ops.not_equal(ids, 0)  # (Keras' MHA takes its keys' padding as value_mask.)
+    h = keras.layers.MultiHeadAttention(2, 4, name="attention")(
+        x, x, value_mask=keys, use_causal_mask=True, **kwargs)
+    h = keras.layers.LayerNormalization()(h + x)
+    model = keras.Model(inputs, keras.layers.Dense(SEQUENCE_VOCABULARY)(h))
+    model.compile(keras.optimizers.SGD(0.5),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model

@@ -13,38 +13,12 @@ import tfpar
 from conftest import cpus
 from tfpar.plan import context_parallel as plan
 
-LENGTH, VOCABULARY, EXAMPLES, BATCH = 8, 16, 24, 12
-
-
-def _tokens(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.integers(1, VOCABULARY, size=(EXAMPLES, LENGTH)).astype("int32")
-    x[::3, LENGTH - 3:] = 0  # A third of the rows end in padding, a third start with it
-    x[1::3, :3] = 0  # (which a causal query sees unless the keys' padding is masked).
-    return x, rng.integers(0, VOCABULARY, size=(EXAMPLES, LENGTH)).astype("int32")
-
-
-def _attention_model(with_mask_input=False):
-    """Embedding(mask_zero) -> causal MultiHeadAttention, its keys' padding masked (and an
-    attention-mask input) -> LayerNormalization -> Dense, per position."""
-    keras.utils.set_random_seed(0)
-    ids = keras.Input((LENGTH,), dtype="int32", name="ids")
-    inputs = [ids]
-    x = keras.layers.Embedding(VOCABULARY, 8, mask_zero=True)(ids)
-    kwargs = {}
-    if with_mask_input:
-        mask = keras.Input((LENGTH, LENGTH), dtype="int32", name="attention_mask")
-        inputs.append(mask)
-        kwargs["attention_mask"] = mask
-    keys = keras.ops.not_equal(ids, 0)  # (Keras' MHA takes its keys' padding as value_mask.)
-    h = keras.layers.MultiHeadAttention(2, 4, name="attention")(
-        x, x, value_mask=keys, use_causal_mask=True, **kwargs)
-    h = keras.layers.LayerNormalization()(h + x)
-    model = keras.Model(inputs, keras.layers.Dense(VOCABULARY)(h))
-    model.compile(keras.optimizers.SGD(0.5),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+from multi_worker_common import SEQUENCE_BATCH as BATCH  # noqa: E402
+from multi_worker_common import SEQUENCE_EXAMPLES as EXAMPLES  # noqa: E402
+from multi_worker_common import SEQUENCE_LENGTH as LENGTH  # noqa: E402
+from multi_worker_common import SEQUENCE_VOCABULARY as VOCABULARY  # noqa: E402
+from multi_worker_common import causal_attention_model as _attention_model  # noqa: E402
+from multi_worker_common import sequence_data as _tokens  # noqa: E402
 
 
 def _fit(strategy, make, x, y):
@@ -196,3 +170,50 @@ def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas():
     got, _ = _fit(tfpar.DataParallelStrategy(cpus(4), context_parallel=4), make, x, y)
     for g, w, variable in zip(got.get_weights(), want.get_weights(), want.weights):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=variable.path)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "parameters"])
+def test_with_zero_each_replica_keeps_its_share_and_trains_as_one_device(shard):
+    """Context parallelism composes with ZeRO: the replicas that split the sequence also
+    split the optimizer state (and under stage 3 the weights, read where a layer uses them)."""
+    x, y = _tokens()
+    want, _ = _fit(None, _attention_model, x, y)
+    strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2, shard=shard)
+    got, _ = _fit(strategy, _attention_model, x, y)
+    for g, w in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    held = [d.optimizer for d in strategy.memory_report(got).devices]
+    assert max(held) < 0.8 * sum(held), held
+
+
+@pytest.mark.slow
+def test_two_worker_processes_split_the_sequences_and_train_as_one_device(tmp_path):
+    """Context parallelism across processes: each worker reads every batch and keeps its
+    chunks, attention gathers keys and values by collectives between the processes; the
+    weights, evaluation and predictions (put back together, in order) equal one device's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(__file__), "..", "..", "workers",
+                          "context_parallel.py")
+    run = subprocess.run([sys.executable, "-m", "tfpar.cli.launch", "--workers=2",
+                          "--timeout=200", "--", sys.executable, worker, f"--out={tmp_path}"],
+                         capture_output=True, text=True, timeout=260,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    x, y = _tokens()
+    want, history = _fit(None, _attention_model, x, y)
+    predictions = want.predict(x, batch_size=BATCH, verbose=0)
+    for index in (0, 1):
+        result = json.loads((tmp_path / f"worker-{index}.json").read_text())
+        assert result["strategy"] == ("DataParallelStrategy(workers=2, replicas=2, "
+                                      "communication='ring', context_parallel=2)")
+        np.testing.assert_allclose(result["loss"], history["loss"], rtol=1e-5)
+        np.testing.assert_allclose(result["evaluated"],
+                                   want.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+        saved = list(np.load(tmp_path / f"worker-{index}.npz").values())
+        for got, expected in zip(saved[:-1], want.get_weights()):
+            np.testing.assert_allclose(got, expected, atol=1e-5)
+        np.testing.assert_allclose(saved[-1], predictions, atol=1e-5)

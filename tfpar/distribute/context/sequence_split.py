@@ -69,6 +69,27 @@ def split_sequences(dataset, devices):
     return dataset.map(each)
 
 
+def worker_part(dataset, devices, first, local):
+    """For a worker whose replicas are `first` ... `first + local - 1` of `devices`: its
+    replicas' chunks of each global batch of `dataset` (every worker reads the same
+    batches), one element per replica in turn, for `distribute_datasets_from_function`."""
+    split = split_sequences(dataset, devices)
+
+    def mine(t):
+        if not isinstance(t, tf.Tensor) or t.shape.rank in (None, 0):
+            return t
+        examples = tf.shape(t)[0] // devices
+        part = t[first * examples:(first + local) * examples]
+        return tf.reshape(part, tf.concat([[local, examples], tf.shape(part)[1:]], 0))
+
+    def each(*element):
+        return tf.nest.map_structure(mine, element[0] if len(element) == 1 else element)
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return split.map(each).unbatch().with_options(options)
+
+
 class SequenceShards:
     """What a replica of a context-parallel strategy holds of the sequence, in replica
     context: `positions(local)`, `gather(x)` (x's sequence from every replica, in order),
@@ -115,7 +136,7 @@ class SequenceShards:
         return self.positions(local)[None, :, None] >= keys[None, None, :]
 
 
-def check_context_parallel(context_parallel, sync_every=1, multi_worker=False):
+def check_context_parallel(context_parallel, sync_every=1, multi_worker=False):  # noqa: ARG001
     """Validates `DataParallelStrategy(context_parallel=...)`; returns it."""
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) \
             or context_parallel < 1:
@@ -128,10 +149,7 @@ def check_context_parallel(context_parallel, sync_every=1, multi_worker=False):
             f"context_parallel={context_parallel} splits each sequence over the replicas, so "
             f"each replica's gradient is only part of an example's: the replicas must sum "
             f"them every step. Drop sync_every={sync_every}.")
-    if multi_worker:
-        raise ValueError(
-            f"context_parallel={context_parallel} runs on the replicas of one host for now: "
-            f"across workers each worker reads other examples. Use one worker's devices.")
+    del multi_worker  # (Across workers every worker reads the same batches: worker_part.)
     return context_parallel
 
 

@@ -7,6 +7,7 @@ when the cluster has several workers; this module holds the TensorFlow glue of t
 import tensorflow as tf
 
 from tfpar.distribute.common.cluster_config import cluster_config
+from tfpar.distribute.context import sequence_split
 from tfpar.distribute.data_parallel.input_checks import check_first_batch
 from tfpar.distribute.zero import zero_owners
 from tfpar.keras import internals
@@ -144,6 +145,12 @@ class MultiWorkerExtended(zero_owners.OwnerPlacedVariables,
         return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _experimental_distribute_dataset(self, dataset, options):
+        context_parallel = self._container_strategy().context_parallel
+        if context_parallel > 1:  # Every worker reads each batch, keeps its replicas' chunks.
+            part = sequence_split.worker_part(dataset, context_parallel,
+                                              tf_runtime.first_local_replica(self),
+                                              len(self.worker_devices))
+            return self._distribute_datasets_from_function(lambda _: part, options)
         dataset = check_first_batch(
             dataset, tf_runtime.num_replicas_in_sync(self), in_pipeline=False)
         return super()._experimental_distribute_dataset(dataset, options)
