@@ -120,7 +120,9 @@ class SequenceShards:
         if local is None:
             raise ValueError(f"Context parallelism gathers a sequence of static length; "
                              f"got a tensor of shape {x.shape}.")
-        carried = tf.cast(x, tf.int32) if x.dtype == tf.bool else x  # (No bool collectives.)
+        # (No bool collectives. And a tensor made in the replica, on its device: an input's
+        # has none across workers, which TensorFlow's gather takes as no destination.)
+        carried = tf.cast(x, tf.int32) if x.dtype == tf.bool else tf.identity(x)
         whole = tf.distribute.get_replica_context().all_gather(carried, axis=axis)
         whole = tf.gather(whole, plan.global_order(self.devices, self.length(local)),
                           axis=axis)
