@@ -370,9 +370,11 @@ def test_module_file_names_are_unique():
 
 # The runtime has one subpackage per parallelism; what several share is in common/. A
 # family imports common/ and itself only, common/ no family. ZeRO is an option of
-# DataParallelStrategy and of PipelineStrategy (shard=...): both may import it; a
+# DataParallelStrategy and of PipelineStrategy (shard=...): both may import it; so is
+# context parallelism of DataParallelStrategy (context_parallel=...); a
 # keras.distribution.DataParallel runs as a DataParallelStrategy (tfpar.use_keras_distribution).
-FAMILY_MAY_IMPORT = {("data_parallel", "zero"), ("pipeline", "zero"), ("mesh", "data_parallel")}
+FAMILY_MAY_IMPORT = {("data_parallel", "zero"), ("pipeline", "zero"), ("mesh", "data_parallel"),
+                     ("data_parallel", "context")}
 
 
 def _family(module):

@@ -147,6 +147,7 @@ OPTIMIZER_FEATURES = [f for f in harness.FEATURE_NAMES if f.startswith("opt_")]
 # ZeRO-1's, the weights on the owners only. Session 28 ran every row on those three too,
 # all equal: 63 cells, ~70 s of the suite.)
 OPTIMIZER_STEP_OF = {"dp4": "dp2", "dp3_hd": "dp2", "dp2_bf16": "dp2", MULTI_WORKER: "dp2",
+                     "cp3": "dp2",  # (Context parallelism's optimizer step is DP's.)
                      "mp": "dp2", "gpipe": "1f1b", "zb": "1f1b", "pipe_r2k2": "1f1b",
                      "zero2": "zero1", "pipe_zero2": "pipe_zero1", "pipe_zero3": "pipe_zero1",
                      "pipe_tp_zb": harness.PIPE_TP, "tp_zero3": harness.PIPE_TP,

@@ -109,7 +109,6 @@ BACKBONES = ("GPT-2", "Llama", "Gemma", "BERT")
 # "equal", or "refused: <what the error says>"
 EXPECTED = {(b, s): "equal" for b in BACKBONES for s in STRATEGIES}
 EXPECTED[("Llama", "mesh")] = "refused: DTensor cannot run"
-EXPECTED[("Gemma", "cp2")] = "refused: not known to act on each position alone"
 EXPECTED[("BERT", "cp2")] = "refused: of model 'bert_backbone' is not elementwise"
 
 

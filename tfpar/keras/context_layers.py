@@ -3,13 +3,14 @@ sequence (`tfpar.distribute.context.sequence_split`), and the layers that look a
 positions learn it, on the model's own layer instances, the first time the model runs
 under the strategy (`prepare`):
 
-- attention (Keras' `MultiHeadAttention` and keras-hub's subclass, Llama's attention) runs
+- attention (Keras' `MultiHeadAttention` and keras-hub's subclass, Llama's and Gemma's) runs
   its local queries against the keys and values of the whole sequence, gathered from every
   replica in order; its mask covers the whole sequence (a padding mask gathered, the causal
   mask from each query's position in the sequence, an attention-mask input split by
   queries, its keys whole);
-- keras-hub's transformer decoders build their self-attention mask that way, and learned and
-  rotary position embeddings take the replica's positions in the sequence.
+- keras-hub's transformer decoders (GPT-2's, Llama's, Gemma's blocks) build their
+  self-attention mask that way, and learned and rotary position embeddings take the
+  replica's positions in the sequence.
 
 Every other layer acts on each position alone (a list read in each class's source,
 Keras 3.10-3.15, keras-hub 0.2x-0.32); a model with any other layer, or a graph operation
@@ -24,7 +25,7 @@ import inspect
 import tensorflow as tf
 
 from tfpar.contract import hooks_of
-from tfpar.keras import hooks, internals
+from tfpar.keras import internals
 
 # Layers that act on each position of a sequence alone (by class path, so that keras-hub
 # need not be installed).
@@ -44,6 +45,7 @@ _POSITION_WISE = {
     "keras_hub.src.layers.modeling.token_and_position_embedding.TokenAndPositionEmbedding",
     "keras_hub.src.layers.modeling.transformer_encoder.TransformerEncoder",
     "keras_hub.src.models.llama.llama_layernorm.LlamaLayerNorm",
+    "keras_hub.src.models.gemma.rms_normalization.RMSNormalization",
 }
 # (Lambda: a user's function; it is theirs to keep position-wise, as under any strategy
 # that splits the batch it must keep example-wise.)
@@ -53,11 +55,16 @@ _ATTENTION = {  # Attention layers whose `_compute_attention(query, key, value, 
     "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
     "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention",
     "keras_hub.src.models.llama.llama_attention.LlamaAttention",
+    "keras_hub.src.models.gemma.gemma_attention.CachedGemmaAttention",
 }
 _DECODERS = {  # Blocks whose `_compute_self_attention_mask(sequence, padding, attention, ...)`
     # makes their causal self-attention mask.
     "keras_hub.src.layers.modeling.transformer_decoder.TransformerDecoder",
     "keras_hub.src.models.llama.llama_decoder.LlamaTransformerDecoder",
+}
+_GEMMA_BLOCKS = {  # Blocks whose `_compute_attention_mask(x, padding_mask, cache,
+    # cache_update_index)` makes their causal self-attention mask.
+    "keras_hub.src.models.gemma.gemma_decoder_block.GemmaDecoderBlock",
 }
 _POSITIONS = {  # Layers whose `call(inputs, start_index=0, positions=None)` embeds positions.
     "keras_hub.src.layers.modeling.position_embedding.PositionEmbedding",
@@ -168,21 +175,38 @@ def _decoder_mask(layer):
         if given.get("use_causal_mask", True) is False:
             raise ValueError("Context parallelism runs keras-hub decoders with their causal "
                              "mask (use_causal_mask=False is not supported).")
-        decoder_sequence = given["decoder_sequence"]
-        decoder_padding_mask = given["decoder_padding_mask"]
-        decoder_attention_mask = given["decoder_attention_mask"]
-        local = _local_length(decoder_sequence)
-        padding = decoder_padding_mask
-        if padding is None:
-            padding = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(
-                decoder_sequence)
-        padding = None if padding is None else shards.gather(padding)[:, None, :]
-        user = _whole_keys(decoder_attention_mask, shards, local)
-        mask = _and(padding, user, shards.causal(local))
-        batch = tf.shape(decoder_sequence)[0]
-        return tf.cast(tf.broadcast_to(mask, [batch, local, shards.length(local)]), tf.int32)
+        return _causal_mask(shards, given["decoder_sequence"], given["decoder_padding_mask"],
+                            given["decoder_attention_mask"])
 
     return compute_self_attention_mask
+
+
+def _causal_mask(shards, sequence, padding, attention_mask=None):
+    """A decoder's self-attention mask over the whole sequence, [batch, local, length]
+    (int32, as keras-hub's): the padding (`padding`, else the sequence's Keras mask)
+    gathered, an attention mask over the whole sequence's keys, causality by position."""
+    local = _local_length(sequence)
+    if padding is None:
+        padding = internals.symbol("keras.src.backend.common.masking.get_keras_mask")(sequence)
+    padding = None if padding is None else shards.gather(padding)[:, None, :]
+    mask = _and(padding, _whole_keys(attention_mask, shards, local), shards.causal(local))
+    batch = tf.shape(sequence)[0]
+    return tf.cast(tf.broadcast_to(mask, [batch, local, shards.length(local)]), tf.int32)
+
+
+def _block_mask(layer):
+    make = type(layer)._compute_attention_mask
+
+    def compute_attention_mask(x, padding_mask, cache, cache_update_index):
+        shards = _shards()
+        if shards is None:
+            return make(layer, x, padding_mask, cache, cache_update_index)
+        if cache is not None:
+            raise ValueError("Context parallelism trains without a cache (cached decoding "
+                             "is generation, not training).")
+        return _causal_mask(shards, x, padding_mask)
+
+    return compute_attention_mask
 
 
 def _positioned(layer):
@@ -215,9 +239,10 @@ def _refusal(model):
             continue  # (A model's layers are in the walk; its operations below.)
         if id(layer) in inside and path == _SOFTMAX:
             continue
-        if path in _POSITION_WISE | _ATTENTION | _DECODERS | _POSITIONS:
+        if path in _POSITION_WISE | _ATTENTION | _DECODERS | _GEMMA_BLOCKS | _POSITIONS:
             if isinstance(layer, keras.layers.MultiHeadAttention) \
-                    and internals.attr(layer, "_sliding_window") is not None:
+                    and internals.attr(layer, "_sliding_window") is not None \
+                    or getattr(layer, "use_sliding_window_attention", False):
                 return f"attention layer {layer.name!r} has a sliding window"
             continue
         return (f"layer {layer.name!r} ({type(layer).__name__}) is not known to act on each "
@@ -257,9 +282,10 @@ def _any_length(model):
 
 
 def prepare(model):
-    """Teaches `model`'s attention, decoder and position layers the split sequence (on its
-    own instances; outside a context-parallel replica they run as before), or raises
-    ValueError naming a layer that cannot run on a slice of the sequence."""
+    """What teaches `model`'s attention, decoder and position layers the split sequence:
+    [(layer, attribute, function)] to set on its own instances (`hooks.patch_object`;
+    outside a context-parallel replica they run as before). Raises ValueError naming a
+    layer that cannot run on a slice of the sequence."""
     refusal = _refusal(model)
     if refusal is not None:
         raise ValueError(
@@ -268,18 +294,22 @@ def prepare(model):
             f"knows: {refusal}. Train this model with data parallelism (context_parallel=1), "
             f"or build it of Keras and keras-hub transformer layers.")
     _any_length(model)
+    patches = []
     for layer in internals.attr(model, "_flatten_layers")(include_self=False):
         path = _path(layer)
         if path in _ATTENTION:
-            hooks.patch_object(layer, "_compute_attention", _attention(layer))
+            patches.append((layer, "_compute_attention", _attention(layer)))
             if hasattr(type(layer), "_compute_attention_mask"):
-                hooks.patch_object(layer, "_compute_attention_mask", _attention_mask(layer))
+                patches.append((layer, "_compute_attention_mask", _attention_mask(layer)))
         elif path in _DECODERS:
-            hooks.patch_object(layer, "_compute_self_attention_mask", _decoder_mask(layer))
+            patches.append((layer, "_compute_self_attention_mask", _decoder_mask(layer)))
+        elif path in _GEMMA_BLOCKS:
+            patches.append((layer, "_compute_attention_mask", _block_mask(layer)))
         elif path in _POSITIONS:
             internals.check("positions" in inspect.signature(type(layer).call).parameters,
                             f"{type(layer).__name__}.call(inputs, start_index, positions)")
-            hooks.patch_object(layer, "call", _positioned(layer))
+            patches.append((layer, "call", _positioned(layer)))
+    return patches
 
 
 def _whole_sequences_predicted(predict_step):

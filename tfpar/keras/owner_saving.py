@@ -26,7 +26,7 @@ import pathlib
 
 from tfpar.contract import hooks_of
 from tfpar.errors import ClusterError
-from tfpar.keras import hooks, internals
+from tfpar.keras import internals
 
 # The first Keras release whose sharded reader takes a variable group from several files
 # (a weight map entry that lists files).
@@ -308,13 +308,15 @@ def _keeping_nothing(variables):
                              f"{tuple(value.shape)}; the variable's is "
                              f"{tuple(variable.shape)}.")
 
+    # (Set on the instances for the load and always taken back, so not in `hooks`' ledger
+    # of lasting patches: hooks imports the modules that import this one.)
     for variable in variables:
-        hooks.patch_object(variable, "assign", functools.partial(assign, variable))
+        object.__setattr__(variable, "assign", functools.partial(assign, variable))
     try:
         yield
     finally:
         for variable in variables:
-            hooks.unpatch_object(variable, "assign")
+            object.__delattr__(variable, "assign")
 
 
 def load(model, filepath, held_elsewhere, skip_mismatch=False, objects_to_skip=None):

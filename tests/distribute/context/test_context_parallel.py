@@ -217,3 +217,30 @@ def test_two_worker_processes_split_the_sequences_and_train_as_one_device(tmp_pa
         for got, expected in zip(saved[:-1], want.get_weights()):
             np.testing.assert_allclose(got, expected, atol=1e-5)
         np.testing.assert_allclose(saved[-1], predictions, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_long_context_example_trains_on_two_workers():
+    """examples/long_context.py under `tfpar launch --workers 2`: each worker says what it
+    trained and its peaks, and the loss fell below chance (it copies the repeated block)."""
+    import math
+    import os
+    import re
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples",
+                           "long_context.py")
+    run = subprocess.run([sys.executable, "-m", "tfpar.cli.launch", "--workers=2",
+                          "--timeout=200", "--", sys.executable, example, "--length=256",
+                          "--steps=24", "--hidden=32"],
+                         capture_output=True, text=True, timeout=260,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    lines = re.findall(r"context_parallel=2, worker (\d): 256 tokens per sequence, (\d+) "
+                       r"tokens/s, loss ([\d.]+); allocator [\d.]+ MiB \(peak ([\d.]+) MiB\)",
+                       run.stdout)
+    assert sorted(int(w) for w, *_ in lines) == [0, 1], run.stdout[-3000:]
+    for _, speed, loss, peak in lines:
+        assert int(speed) > 0 and float(peak) > 0
+        assert float(loss) < 0.9 * math.log(256), run.stdout[-3000:]  # chance: ln(256)

@@ -263,7 +263,9 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         # Asked by the Keras seam before a model made under this strategy runs.
         if (self.context_parallel > 1 and id(model) not in self._dp_context_prepared
                 and not keras_models.any_symbolic_tensors(args, kwargs)):
-            context_layers.prepare(model)  # (At its first run; not as a graph is built.)
+            # (At its first run; not as a graph is built.)
+            for layer, attribute, function in context_layers.prepare(model):
+                keras_hooks.patch_object(layer, attribute, function)
             self._dp_context_prepared.add(id(model))
         if self.reshard_after_forward and id(model) not in self._dp_regathered_models:
             keras_sharded.regather_in_backward(model)
