@@ -94,6 +94,10 @@ def _mesh(name):
 
 STRATEGIES = {  # column: (how it is made, what the README calls it)
     "dp2": (lambda name: tfpar.DataParallelStrategy(cpus(2)), "data parallel, 2"),
+    "zero1": (lambda name: tfpar.DataParallelStrategy(cpus(2), shard="optimizer"),
+              "ZeRO-1, 2"),
+    "zero2": (lambda name: tfpar.DataParallelStrategy(cpus(2), shard="gradients"),
+              "ZeRO-2, 2"),
     "zero3": (lambda name: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
               "ZeRO-3, 2"),
     "pipe4": (lambda name: tfpar.PipelineStrategy(cpus(4), num_micro_batches=2),
