@@ -9,7 +9,8 @@ worker, each worker in a memory cgroup of its own: the kernel kills one over the
 keras-hub `LlamaBackbone` (hidden 64, 2 blocks, 4 query and 2 key/value heads, vocabulary 256)
 with a Dense head, SGD, batch 1, one traced step and 2 timed steps. For each C, lengths are
 tried in increasing order until one fails; the longest that trained is reported with each
-worker's TensorFlow allocator peak and resident peak. Writes
+worker's TensorFlow allocator peak and resident peak, and the bytes each worker sent per step
+(its TCP sockets, `ss`, as `hybrid_traffic.py` counts them) against `step_bytes`. Writes
 benchmarks/results/long_context.json.
 
 What to expect: all-gather context parallelism divides the activations of each position's
@@ -32,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _common import command_line, write_json  # noqa: E402
+from hybrid_traffic import bytes_by_task  # noqa: E402
 
 HIDDEN, LAYERS, VOCABULARY, STEPS = 64, 2, 256, 2
 
@@ -63,15 +65,33 @@ def task(args):
     y = np.roll(tokens, -1, axis=1)
     tfpar.reset_memory_peaks()
     model.fit(x, y, batch_size=1, epochs=1, steps_per_epoch=1, verbose=0)  # Traced.
+    before = bytes_by_task()[0] if index == 0 else {}
     start = time.perf_counter()
     loss = model.fit(x, y, batch_size=1, epochs=1, verbose=0).history["loss"][0]
     seconds = (time.perf_counter() - start) / STEPS
+    after = bytes_by_task()[0] if index == 0 else {}
     memory = tfpar.process_memory()
     with open(os.path.join(args.dir, f"worker-{index}.json"), "w") as f:
         json.dump({"seconds_per_step": seconds, "loss": loss,
                    "allocator_peak": memory.allocator_peak_bytes,
-                   "resident_peak": memory.rss_peak_bytes}, f)
+                   "resident_peak": memory.rss_peak_bytes,
+                   "sent_per_step": {task: (sent - before.get(task, [0, 0])[0]) / STEPS
+                                     for task, (sent, _) in after.items()},
+                   "parameters": model.count_params()}, f)
     del tf
+
+
+def step_bytes(length, context, parameters):
+    """Bytes one worker sends per step by the formula: the gradients' ring all-reduce,
+    and per block the keys' and values' ring all-gather forward ((C-1) x its part; Llama
+    repeats its 2 key/value heads to the 4 query heads first: the hidden width), the padding
+    mask's (int32), and backward TensorFlow's gradient of the gather, a ring all-reduce of
+    the whole sequence's gradient (2 (C-1)/C x L x width, for keys and values)."""
+    share = (context - 1) / context
+    part = length // context
+    per_block = 2 * (context - 1) * part * HIDDEN * 4 + (context - 1) * part * 4 \
+        + 2 * 2 * share * length * HIDDEN * 4
+    return 2 * share * 4 * parameters + LAYERS * per_block
 
 
 def trial(context, length, cap, timeout):
@@ -90,7 +110,9 @@ def trial(context, length, cap, timeout):
             return {"trained": False, "exit": done.returncode, "killed": killed,
                     "tail": (done.stdout + done.stderr)[-600:], "wall_seconds": wall}
         workers = [json.load(open(f)) for f in files]
-    return {"trained": True, "wall_seconds": wall,
+    sent = {t: b for t, b in workers[0]["sent_per_step"].items() if t.startswith("worker")}
+    return {"trained": True, "wall_seconds": wall, "sent_per_step": sent,
+            "formula_per_step": step_bytes(length, context, workers[0]["parameters"]),
             "seconds_per_step": max(w["seconds_per_step"] for w in workers),
             "allocator_peak": [w["allocator_peak"] for w in workers],
             "resident_peak": [w["resident_peak"] for w in workers],
@@ -123,9 +145,12 @@ def main():
                 print(f"C={context} length {length}: did not train (exit {result['exit']}"
                       f"{', killed over the cap' if result['killed'] else ''})", flush=True)
                 break
+            busiest = max(result["sent_per_step"].values(), default=0)
             print(f"C={context} length {length}: {result['seconds_per_step']:.2f} s/step, "
                   f"allocator peak {max(result['allocator_peak']) / mib:.0f} MiB, resident "
-                  f"peak {max(result['resident_peak']) / mib:.0f} MiB", flush=True)
+                  f"peak {max(result['resident_peak']) / mib:.0f} MiB, busiest worker sent "
+                  f"{busiest / mib:.2f} MiB/step (formula "
+                  f"{result['formula_per_step'] / mib:.2f})", flush=True)
     longest = {c: max([n for n, r in r_.items() if r["trained"]], default=0)
                for c, r_ in rows.items()}
     for context, length in longest.items():
