@@ -244,3 +244,27 @@ def test_the_long_context_example_trains_on_two_workers():
     for _, speed, loss, peak in lines:
         assert int(speed) > 0 and float(peak) > 0
         assert float(loss) < 0.9 * math.log(256), run.stdout[-3000:]  # chance: ln(256)
+
+
+def test_a_keras_hub_encoder_with_a_padding_mask_trains_as_one_device():
+    """keras-hub's TransformerEncoder (no causal mask) builds a padding mask over its own
+    keys ([batch, 1, L/C]); its attention gathers it over the whole sequence."""
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((LENGTH,), dtype="int32", name="ids")
+        padding = keras.Input((LENGTH,), dtype="int32", name="padding")
+        x = keras_hub.layers.TokenAndPositionEmbedding(VOCABULARY, LENGTH, 8)(ids)
+        x = keras_hub.layers.TransformerEncoder(16, 2, dropout=0.0)(x, padding_mask=padding)
+        model = keras.Model([ids, padding], keras.layers.Dense(VOCABULARY)(x))
+        model.compile(keras.optimizers.SGD(0.5),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = _tokens(4)
+    inputs = {"ids": x, "padding": (x != 0).astype("int32")}
+    want, _ = _fit(None, make, inputs, y)
+    got, _ = _fit(tfpar.DataParallelStrategy(cpus(2), context_parallel=2), make, inputs, y)
+    for g, w in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(g, w, atol=1e-5)
