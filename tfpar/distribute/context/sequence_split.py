@@ -138,7 +138,7 @@ class SequenceShards:
         return self.positions(local)[None, :, None] >= keys[None, None, :]
 
 
-def check_context_parallel(context_parallel, sync_every=1, multi_worker=False):  # noqa: ARG001
+def check_context_parallel(context_parallel, sync_every=1):
     """Validates `DataParallelStrategy(context_parallel=...)`; returns it."""
     if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) \
             or context_parallel < 1:
@@ -151,7 +151,6 @@ def check_context_parallel(context_parallel, sync_every=1, multi_worker=False): 
             f"context_parallel={context_parallel} splits each sequence over the replicas, so "
             f"each replica's gradient is only part of an example's: the replicas must sum "
             f"them every step. Drop sync_every={sync_every}.")
-    del multi_worker  # (Across workers every worker reads the same batches: worker_part.)
     return context_parallel
 
 

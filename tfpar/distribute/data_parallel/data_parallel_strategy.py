@@ -122,8 +122,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         parallelism. Keras' attention, keras-hub's transformer layers and position
         embeddings learn the split (`tfpar.keras.context_layers`); a model with a layer
         that mixes positions otherwise (pooling, convolutions, recurrence) is refused
-        before its first step. For now C is the number of replicas, on one host, and
-        `predict` is refused (its outputs would be in the split's order).
+        before its first step. `predict` returns each sequence whole. For now C is the
+        number of replicas (across workers, every worker's: each reads every batch).
 
     Examples:
       >>> import keras, numpy as np, tfpar
@@ -178,8 +178,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         self.sync_every = local_sgd.check_sync_every(sync_every, shard, compression)
         self.sync_optimizer_state = bool(sync_optimizer_state)
         self.context_parallel = sequence_split.check_context_parallel(
-            context_parallel, sync_every=self.sync_every,
-            multi_worker=isinstance(self, tf.distribute.MultiWorkerMirroredStrategy))
+            context_parallel, sync_every=self.sync_every)
         self.reshard_after_forward = sharding.check_reshard(shard, reshard_after_forward)
         self._dp_regathered_models = set()  # ids of the models made to regather.
         if self.reshard_after_forward or self.context_parallel > 1:
