@@ -100,6 +100,9 @@ SYMBOLS = {
     "tensorflow.python.distribute.cross_device_utils.CollectiveReplicaLauncher":
         "subclassed: collectives timed once per function; dense all-reduces by "
         "halving-doubling",
+    "tensorflow.python.training.saving.saveable_object_util.TrackableSaveable":
+        "a TensorFlow checkpoint's restore of an object saved as several slices under one "
+        "name (a tensor-parallel variable), given every slice",
     "tensorflow.python.distribute.values.PerReplica":
         "a tensor-parallel group's partial sums, reduced by collectives across processes",
     "tensorflow.python.distribute.device_util.canonicalize": "canonical device names",
@@ -193,6 +196,8 @@ ATTRIBUTES = {
     "_deferred_initialize": "keras.Variable (storage for one made in a StatelessScope)",
     "_direct_assign": "keras.Variable (a write that needs its storage first)",
     "_restore_from_tensors": "keras.Variable (a TensorFlow checkpoint restored across tasks)",
+    "_local_names": "TrackableSaveable (the local name of each of its restored tensors)",
+    "_trackable": "TrackableSaveable (the object it restores)",
     "_dense_var_to_tensor": "tf.Variable (a stage-3 variable across workers read from its owner)",
     "_unique_id": "tf.Variable",
     "_get_replica_id_in_sync_group": "CollectiveAllReduceExtended (a worker's first replica)",
@@ -317,6 +322,8 @@ WRAPS = {
     (_TF_VARIABLE, "_direct_assign"): "a variable stored before it is written",
     (_TF_VARIABLE, "_restore_from_tensors"):
         "a TensorFlow checkpoint restored across tasks: the restored tensor takes its shape",
+    ("TrackableSaveable", "restore"):
+        "a tensor-parallel variable restored from its shards' slices, each on its owner",
     ("keras.src.backend.tensorflow.numpy", "flip"): "flip on a device mesh, as a gather",
     ("keras.src.backend.tensorflow.random", "dropout"): "dropout masks on a mesh, drawn whole",
     ("keras.src.distribution.distribution_lib", "set_distribution"):

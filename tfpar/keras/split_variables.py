@@ -27,6 +27,9 @@ from tfpar.keras import variable_birth
 class ShardedStorage:
     """The storage of a Keras variable held as shards (Keras variables) along `axis`."""
 
+    # A TensorFlow checkpoint hands its restore every slice (`variable_birth`).
+    RESTORES_SLICES = True
+
     def __init__(self, shards, axis, shape, dtype, device, name=""):
         self.shards = tuple(shards)
         self._shared_name = name  # The whole variable's (a checkpoint's "full name").
@@ -96,16 +99,18 @@ class ShardedStorage:
     def _restore_from_tensors(self, restored_tensors):
         slices = restored_tensors[_VALUE_KEY]
         if not isinstance(slices, dict):
-            # TensorFlow's restore of an object whose checkpoint is several slices under one
-            # name hands it the first slice only (`TrackableSaveable.restore` keys restored
-            # tensors by name): restoring on would write that slice into every shard.
+            # TensorFlow's own restore of an object whose checkpoint is several slices under
+            # one name hands it one slice (`TrackableSaveable.restore` keys restored tensors
+            # by name; tfpar's wrap, `variable_birth`, hands them all): restoring on would
+            # write that slice into every shard.
             raise ValueError(
-                f"A tensor-parallel variable ({self._shared_name or self}) cannot be restored "
-                f"from a TensorFlow checkpoint: TensorFlow's restore gives it only one of its "
-                f"{len(self.shards)} slices. Read the checkpoint into the model built without "
-                f"a strategy (tf.train.Checkpoint(model=plain).read(path)) and copy its "
-                f"weights (model.set_weights(plain.get_weights())), or save and load with "
-                f"Keras (model.save_weights / model.load_weights).")
+                f"A tensor-parallel variable ({self._shared_name or self}) was given one of "
+                f"its {len(self.shards)} slices by a TensorFlow checkpoint restore that does "
+                f"not go through tfpar's (a restore outside the strategy's wraps). Read the "
+                f"checkpoint into the model built without a strategy "
+                f"(tf.train.Checkpoint(model=plain).read(path)) and copy its weights "
+                f"(model.set_weights(plain.get_weights())), or save and load with Keras "
+                f"(model.save_weights / model.load_weights).")
         return [type(shard)._restore_from_tensors(shard, {_VALUE_KEY: slices[spec]})  # pylint: disable=protected-access
                 for shard, spec in zip(self.shards, self._slice_specs())]
 

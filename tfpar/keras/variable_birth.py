@@ -206,6 +206,30 @@ def _restored_with_its_shape(restore_from_tensors):
 VALUE_KEY = "VARIABLE_VALUE"  # (TensorFlow's `trackable.base.VARIABLE_VALUE_KEY`.)
 
 
+def _slices_restored_together(restore):
+    """TrackableSaveable.restore: TensorFlow 2.21 keys the restored tensors by local name,
+    so an object saved as several slices under one name (a tensor-parallel variable, as its
+    shards' slices) would get one of them. For a Keras variable whose storage restores
+    slices (`RESTORES_SLICES`), each name maps to {slice spec: tensor}: every slice, each
+    read by the restore op of its own device (across processes, its owner's)."""
+    import keras
+    import tensorflow as tf
+
+    def wrapper(self, restored_tensors, restored_shapes):
+        trackable = internals.attr(self, "_trackable")
+        names = internals.attr(self, "_local_names")
+        # (Its one name, VARIABLE_VALUE, for the specs of all its slices.)
+        if len(names) != 1 or len(self.specs) < 2 or not isinstance(trackable, keras.Variable) \
+                or not getattr(type(internals.attr(trackable, "_value")), "RESTORES_SLICES",
+                               False):
+            return restore(self, restored_tensors, restored_shapes)
+        grouped = {names[0]: {spec.slice_spec: tensor
+                              for spec, tensor in zip(self.specs, restored_tensors)}}
+        internals.attr(trackable, "_restore_from_tensors")(grouped)
+        return tf.no_op()
+    return wrapper
+
+
 def _announced_to_the_strategy(init):
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -240,6 +264,8 @@ def patches():
     (owner, attribute, wrap)."""
     variable = internals.symbol("keras.src.backend.tensorflow.core.Variable")
     trainer = internals.symbol("keras.src.backend.tensorflow.trainer.TensorFlowTrainer")
+    saveable = internals.symbol(
+        "tensorflow.python.training.saving.saveable_object_util.TrackableSaveable")
     for name in ("_initialize_with_initializer", "_deferred_initialize", "_direct_assign",
                  "_restore_from_tensors"):
         internals.attr(variable, name)  # Fails closed before anything is wrapped.
@@ -250,4 +276,5 @@ def patches():
             (variable, "_deferred_initialize", _deferred_born_at_home),
             (variable, "_direct_assign", _stored_before_written),
             (variable, "_restore_from_tensors", _restored_with_its_shape),
+            (saveable, "restore", _slices_restored_together),
             (trainer, "__init__", _announced_to_the_strategy)]

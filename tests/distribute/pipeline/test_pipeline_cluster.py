@@ -597,7 +597,8 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
     writes only the index (nothing gathered, nothing written twice); a plain Keras model on
     one device reads it back exactly (a split variable is saved whole, as its shards'
     slices; issue 36 item 4), and a fresh pipeline restores it, each worker reading its own
-    stage's bytes."""
+    stage's bytes (split: each shard from its own slice; `result["difference"]` covers the
+    fresh model's weights too)."""
     out = tmp_path / "out"
     out.mkdir()
     run = subprocess.run([PY, "-m", "tfpar.cli.launch", "--workers=2", "--coordinator",

@@ -788,8 +788,8 @@ def test_a_tensorflow_checkpoint_saves_each_split_variable_whole_as_its_shards_s
     variable is saved once, under its own key and whole shape, as its T shards' slices (each
     written where its shard lives: across processes, by its owner); the optimizer's hold on
     the shards saves nothing more. A model built without a strategy reads the weights
-    exactly; reading into a split model again is refused with what to do instead (TensorFlow
-    would hand each variable one slice)."""
+    exactly, and so does the split model again, each shard from its own slice (TensorFlow
+    alone would hand each variable one slice)."""
     strategy, model = _trained("adam", "1f1b")
     path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     saved = dict(tf.train.list_variables(path))
@@ -809,5 +809,10 @@ def test_a_tensorflow_checkpoint_saves_each_split_variable_whole_as_its_shards_s
     tf.train.Checkpoint(model=plain).read(path).assert_existing_objects_matched()
     for got, expected in zip(plain.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(got, expected)
-    with pytest.raises(ValueError, match="cannot be restored from a TensorFlow checkpoint"):
-        tf.train.Checkpoint(model=model).read(path)
+    # Read back into the split model: each shard takes its own slice (TensorFlow's own
+    # restore would hand each variable one slice: tfpar groups them, `variable_birth`).
+    saved_weights = model.get_weights()
+    model.set_weights([np.zeros_like(w) for w in saved_weights])
+    tf.train.Checkpoint(model=model).read(path).assert_existing_objects_matched()
+    for got, expected in zip(model.get_weights(), saved_weights):
+        np.testing.assert_array_equal(got, expected)
