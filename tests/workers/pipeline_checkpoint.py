@@ -10,8 +10,8 @@ the bytes each process of the job wrote meanwhile (`/proc/<pid>/io`, the process
 the TF_CONFIG in their environment), the bytes of variables on each device, and the largest
 difference between the pipeline's weights (and, without tensor parallelism, its optimizer
 state) and those a plain Keras model on one device (this process, no strategy) reads back
-from the checkpoint, and a fresh pipeline's restored from it (with tensor parallelism its
-weights only), and the bytes each process read meanwhile.
+from the checkpoint, and a fresh pipeline's (weights and optimizer state) restored from it,
+and the bytes each process read meanwhile.
 """
 
 import glob
@@ -106,15 +106,17 @@ def main(out, tensor_parallel=1):
         with strategy.scope():
             fresh = _model()
         fresh.train_on_batch(x, y)  # (Built, placed and split; the restore overwrites it.)
+        # (A Keras model tracks its optimizer: the read restores Adam's state too.)
         held = {}
-        for variable in fresh.weights:
+        for variable in fresh.weights + fresh.optimizer.variables:
             for device, size in _devices_and_bytes(variable):
                 held[device] = held.get(device, 0) + size
+        state = [v.numpy() for v in model.optimizer.variables]
         before = {name: _read(pid) for name, pid in pids.items()}
         tf.train.Checkpoint(model=fresh).read(path).assert_existing_objects_matched()
         read = {name: _read(pid) - before[name] for name, pid in pids.items()}
-        difference = max(difference, *(float(np.abs(a - b).max())
-                                       for a, b in zip(weights, fresh.get_weights())))
+        difference = max(difference, *(float(np.abs(a - b).max()) for a, b in zip(
+            weights + state, fresh.get_weights() + [v.numpy() for v in fresh.optimizer.variables])))
     else:
         state = [v.numpy() for v in model.optimizer.variables]
         plain.optimizer.build(plain.trainable_variables)
@@ -136,7 +138,7 @@ def main(out, tensor_parallel=1):
             fresh.get_weights() + [v.numpy() for v in fresh.optimizer.variables])))
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"written": written, "stage_bytes": by_stage, "difference": difference,
-                   "read": read, "weights_held": held if split else None,
+                   "read": read, "held": held if split else None,
                    "moved": max(float(np.abs(a - b).max())
                                 for a, b in zip(weights, _model().get_weights()))}, f)
 

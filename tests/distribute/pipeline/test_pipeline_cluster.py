@@ -596,9 +596,9 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
     slots (its bytes of variables, within 1%), at the same time as the other, and the chief
     writes only the index (nothing gathered, nothing written twice); a plain Keras model on
     one device reads it back exactly (a split variable is saved whole, as its shards'
-    slices; issue 36 item 4), and a fresh pipeline restores it, each worker reading its own
-    stage's bytes (split: each shard from its own slice; `result["difference"]` covers the
-    fresh model's weights too)."""
+    slices; issue 36 item 4), and a fresh pipeline restores it, weights and Adam's state,
+    each worker reading its own share (split: each shard from its own slice;
+    `result["difference"]` covers the fresh model too)."""
     out = tmp_path / "out"
     out.mkdir()
     run = subprocess.run([PY, "-m", "tfpar.cli.launch", "--workers=2", "--coordinator",
@@ -617,10 +617,18 @@ def test_a_checkpoint_of_stages_on_workers_is_written_by_each_worker_and_loads_o
         assert held <= result["written"][f"worker:{index}"] <= 1.01 * held, result
     assert result["written"]["chief:0"] < 0.01 * sum(held for _, held in stages), result
     assert len(list(out.glob("ckpt.data-*"))) == 3  # A shard per host, the chief's too.
-    if tensor_parallel == 1:  # Restored into a pipeline: each worker reads its stage.
-        for index, (device, held) in enumerate(stages):
-            assert held <= result["read"][f"worker:{index}"] <= 1.05 * held + 65536, result
-        assert result["read"]["chief:0"] < 0.05 * sum(held for _, held in stages), result
+    # Restored into a fresh model: each worker reads its own share from disk (at least the
+    # bytes it keeps: nothing reaches it through the chief, which reads under 5%).
+    # TensorFlow's RestoreV2 looks tensors up in name order through a 1 MiB buffer: a
+    # pipeline's file is in that order, read once (5%); a split model's slices are not, and
+    # each seek back refills the buffer (measured 1.41x and 1.24x), but never a whole other
+    # share (2x and more).
+    reread = 1.05 if tensor_parallel == 1 else 1.5
+    for index, (device, held) in enumerate(stages):
+        if tensor_parallel > 1:
+            held = result["held"][device]
+        assert held <= result["read"][f"worker:{index}"] <= reread * held + 2 ** 20, result
+    assert result["read"]["chief:0"] < 0.05 * sum(held for _, held in stages), result
 
 
 @pytest.mark.slow
