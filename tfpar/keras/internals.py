@@ -32,6 +32,10 @@ SYMBOLS = {
     # Keras
     "keras.src.backend.common.global_state.get_global_attribute":
         "the layer being built (Keras' name-scope stack), for where its variables are born",
+    "keras.src.backend.common.global_state.set_global_attribute":
+        "suspend a StatelessScope while a split weight's shards are made (their storage now)",
+    "keras.src.backend.common.stateless_scope.get_stateless_scope":
+        "the StatelessScope to suspend and put back",
     "keras.src.backend.common.keras_tensor.any_symbolic_tensors": "skip symbolic calls",
     "keras.src.backend.common.stateless_scope.in_stateless_scope":
         "skip Keras' symbolic build (where a variable without storage reads as its initializer)",

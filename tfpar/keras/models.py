@@ -8,6 +8,7 @@ that only the seam, `tfpar.layers` and the programs import it).
 Keras is imported inside the functions: importing this module imports no Keras.
 """
 
+import contextlib
 import math
 
 import tensorflow as tf
@@ -35,6 +36,27 @@ def stateless_scope(state_mapping=None, collect_losses=False):
     import keras
 
     return keras.StatelessScope(state_mapping=state_mapping, collect_losses=collect_losses)
+
+
+@contextlib.contextmanager
+def outside_stateless_scope():
+    """Keras' `StatelessScope` suspended: a variable made here gets its storage at once (a
+    shard of a weight split while Keras builds the model from shapes, before the model's
+    first call)."""
+    current = internals.symbol("keras.src.backend.common.stateless_scope.get_stateless_scope")
+    set_attribute = internals.symbol(
+        "keras.src.backend.common.global_state.set_global_attribute")
+    scope = current()
+    if scope is None:
+        yield
+        return
+    set_attribute("stateless_scope", None)
+    try:
+        internals.check(current() is None,
+                        "the StatelessScope kept as global attribute 'stateless_scope'")
+        yield
+    finally:
+        set_attribute("stateless_scope", scope)
 
 
 def map_structure(fn, *structures):

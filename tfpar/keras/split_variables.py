@@ -231,8 +231,12 @@ def shard_variable(variable, part, index):
     strategy's `variable_home` in effect says."""
     import keras
 
-    return keras.Variable(part, dtype=variable.dtype, trainable=variable.trainable,
-                          name=f"{variable.name}_shard{index}")
+    from tfpar.keras import models
+
+    # (Placed before the first call, maybe a predict, inside the scope of Keras' build.)
+    with models.outside_stateless_scope():
+        return keras.Variable(part, dtype=variable.dtype, trainable=variable.trainable,
+                              name=f"{variable.name}_shard{index}")
 
 
 def _computed(layer, value):

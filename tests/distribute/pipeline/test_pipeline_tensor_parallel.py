@@ -789,7 +789,8 @@ def test_a_tensorflow_checkpoint_saves_each_split_variable_whole_as_its_shards_s
     written where its shard lives: across processes, by its owner); the optimizer's hold on
     the shards saves nothing more. A model built without a strategy reads the weights
     exactly, and so does the split model again, each shard from its own slice (TensorFlow
-    alone would hand each variable one slice)."""
+    alone would hand each variable one slice), and a model split T=4 (resharded: each
+    quarter cut from the saved halves)."""
     strategy, model = _trained("adam", "1f1b")
     path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     saved = dict(tf.train.list_variables(path))
@@ -816,3 +817,21 @@ def test_a_tensorflow_checkpoint_saves_each_split_variable_whole_as_its_shards_s
     tf.train.Checkpoint(model=model).read(path).assert_existing_objects_matched()
     for got, expected in zip(model.get_weights(), saved_weights):
         np.testing.assert_array_equal(got, expected)
+    # Resharded: into one stage split T=4 (built and split by a predict before any
+    # training), each shard a quarter cut from the saved halves; it predicts as the plain
+    # model. (The optimizer's state is per shard: it carries over into the same layout
+    # only, so this model's optimizer is not built.)
+    four = tfpar.PipelineStrategy(cpus(4), num_stages=1, num_micro_batches=M,
+                                  tensor_parallel=4, layout_map=megatron_layout())
+    with four.scope():
+        other = megatron_mlp(seed=1)
+        other.compile(_optimizer("adam"), "mse")
+    x, _ = _data()
+    other.predict(x[:BATCH], verbose=0)
+    assert {len(keras_tp.sharded_storage(v).shards) for v in other.weights
+            if keras_tp.sharded_storage(v) is not None} == {4}
+    tf.train.Checkpoint(model=other).read(path).expect_partial()
+    for got, expected in zip(other.get_weights(), saved_weights):
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_allclose(other.predict(x, batch_size=BATCH, verbose=0),
+                               plain.predict(x, batch_size=BATCH, verbose=0), atol=1e-5)
