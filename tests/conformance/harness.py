@@ -538,7 +538,8 @@ class Feature:
 # The rows whose subject is the optimizer's step (see Feature.inference).
 STEP_ONLY = ("gradient_accumulation", "custom_loop_accumulation", "custom_loop_loss_scale",
              "clip_global_norm_one_replica", "clip_norm_one_replica", "clip_value_one_replica",
-             "overflow_one_replica", "adamw_recipe", "custom_loop_clip")
+             "overflow_one_replica", "adamw_recipe", "custom_loop_clip", "attention_recipe",
+             "attention_custom_loop")
 BASE_ROW = "loss_sum_over_batch_size"
 # The rows whose predict is the base row's (see Feature.predicts).
 BASE_OUTPUTS = ("loss_sum", "loss_none_custom_fn", "loss_mean_with_sample_weight",
@@ -698,7 +699,33 @@ def _recipe_features():
                 batch_size=20,
                 summary="Embedding(mask_zero=True) -> causal MultiHeadAttention -> Dense, "
                         "per-step mean loss; batches of 20 (the last 8)"),
+        # The recipe on the model context parallelism splits: a sequence's later positions
+        # are mostly padding, so its replicas' parts differ (cp3: replica 0 holds positions
+        # 0 and 5, replica 2 positions 2 and 3).
+        Feature("attention_recipe", causal_attention_model, lambda: dict(
+                    optimizer=keras.optimizers.LossScaleOptimizer(_adamw(ATTENTION_CLIP)),
+                    loss=scce()),
+                data=sequences, batch_size=20, epochs=2, policy="mixed_float16",
+                atol=1e-2, rtol=1e-2,
+                summary="causal attention: mixed_float16 + LossScaleOptimizer(AdamW(weight_decay"
+                        f"=0.1, global_clipnorm={ATTENTION_CLIP}), warmup then cosine decay), "
+                        "padding masks, tolerance 1e-2"),
+        Feature("attention_custom_loop", causal_attention_model,
+                lambda: dict(optimizer=_adamw(ATTENTION_CLIP), loss=scce()),
+                loop=custom_loop, data=sequences, batch_size=20, epochs=2,
+                summary="causal attention, custom loop (per-token losses over the global "
+                        f"batch), AdamW(weight_decay=0.1, global_clipnorm={ATTENTION_CLIP})"),
     ]
+
+
+# Below the attention model's first gradient norm (about 0.5), so the clip acts.
+ATTENTION_CLIP = 0.1
+
+
+def _adamw(global_clipnorm):
+    schedule = keras.optimizers.schedules.CosineDecay(0.0, 4, warmup_target=0.02,
+                                                      warmup_steps=2)
+    return keras.optimizers.AdamW(schedule, weight_decay=0.1, global_clipnorm=global_clipnorm)
 
 
 # Every argument of Keras' optimizer base class (`OPTIMIZER_BASE.__init__`) and every optimizer

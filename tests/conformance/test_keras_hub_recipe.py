@@ -82,6 +82,11 @@ STRATEGIES = {
                                               schedule="1f1b", tensor_parallel=2,
                                               layout_map=_layout()),
     "mesh": _mesh,
+    # Each sequence split over the replicas (chunks 0 and 3 of 4 on one, mostly padding in
+    # the second half of a batch): the loss's mean over real tokens and the clip are global.
+    "cp2": lambda: tfpar.DataParallelStrategy(cpus(2), context_parallel=2),
+    "cp2_zero3": lambda: tfpar.DataParallelStrategy(cpus(2), context_parallel=2,
+                                                    shard="parameters"),
 }
 
 

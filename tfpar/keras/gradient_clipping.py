@@ -75,7 +75,10 @@ def _dense(grad):
 
 
 def _squared_sum(grads):
-    return tf.add_n([tf.reduce_sum(tf.square(tf.cast(_dense(g), tf.float32))) for g in grads])
+    # As Keras' `global_norm` and `_clip_by_norm` square an IndexedSlices: its values, a
+    # repeated row counted apart (not summed first, as a dense gradient would have it).
+    return tf.add_n([tf.reduce_sum(tf.square(tf.cast(
+        g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32))) for g in grads])
 
 
 def clip(optimizer, grads, groups=None, sum_over_holders=None):

@@ -123,7 +123,10 @@ class SequenceShards:
         # (No bool collectives. And a tensor made in the replica, on its device: an input's
         # has none across workers, which TensorFlow's gather takes as no destination.)
         carried = tf.cast(x, tf.int32) if x.dtype == tf.bool else tf.identity(x)
-        whole = tf.distribute.get_replica_context().all_gather(carried, axis=axis)
+        if x.dtype == tf.bfloat16:
+            whole = _bfloat16_all_gather(carried, axis)
+        else:
+            whole = tf.distribute.get_replica_context().all_gather(carried, axis=axis)
         whole = tf.gather(whole, plan.global_order(self.devices, self.length(local)),
                           axis=axis)
         shape = x.shape.as_list()
@@ -136,6 +139,29 @@ class SequenceShards:
         query's position)."""
         keys = tf.range(self.length(local), dtype=tf.int32)
         return self.positions(local)[None, :, None] >= keys[None, None, :]
+
+
+def _bfloat16_all_gather(x, axis):
+    """The replica context's all_gather of a bfloat16 tensor, which TensorFlow's collective
+    gather does not take: its bits gathered as float16 (the same bytes, moved unchanged),
+    and its gradient as TensorFlow's all_gather's (the replicas' sum, this replica's part),
+    summed in float32."""
+    context = tf.distribute.get_replica_context()
+
+    @tf.custom_gradient
+    def gather(part):
+        bits = context.all_gather(tf.bitcast(part, tf.float16), axis=axis)
+
+        def gradient(upstream):
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        tf.cast(upstream, tf.float32))
+            local = part.shape[axis]
+            mine = tf.range(local) + local * context.replica_id_in_sync_group
+            return tf.cast(tf.gather(summed, mine, axis=axis), tf.bfloat16)
+
+        return tf.bitcast(bits, tf.bfloat16), gradient
+
+    return gather(x)
 
 
 def check_context_parallel(context_parallel, sync_every=1):
