@@ -25,6 +25,7 @@ import inspect
 import tensorflow as tf
 
 from tfpar.contract import hooks_of
+from tfpar.distribute.context import blockwise_attention
 from tfpar.keras import internals
 
 # Layers that act on each position of a sequence alone (by class path, so that keras-hub
@@ -122,6 +123,32 @@ def _and(*masks):
     return functools.reduce(tf.logical_and, masks)
 
 
+# Keys per block of context parallelism's attention (`blockwise_attention`): a replica's
+# scores are its L/C queries x this many keys at a time.
+ATTENTION_BLOCK = 512
+_LLAMA_ATTENTION = "keras_hub.src.models.llama.llama_attention.LlamaAttention"
+_KERAS_ATTENTION = {
+    "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
+    "keras_hub.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention"}
+
+
+def _blockwise(layer, query, args, kwargs):
+    """(scale, masked_rows, returns_scores) when the layer's attention is softmax(scale q k^T)
+    v that `blockwise_attention` computes as the layer would, else None (the layer's own
+    code runs, on the gathered keys). Keras' MultiHeadAttention without dropout on its
+    probabilities goes through `ops.dot_product_attention` (a query that sees no key
+    averages every value); Llama's through a `Softmax` layer (it outputs zeros)."""
+    path = _path(layer)
+    if path == _LLAMA_ATTENTION:
+        return internals.attr(layer, "_inv_norm_factor"), "zero", False
+    if path not in _KERAS_ATTENTION or query.shape.rank != 4:
+        return None
+    named = dict(zip(("training", "return_attention_scores"), args), **kwargs)
+    if named.get("return_attention_scores") or internals.attr(layer, "_dropout") > 0:
+        return None
+    return internals.attr(layer, "_inverse_sqrt_key_dim"), "uniform", True
+
+
 def _attention(layer):
     compute = type(layer)._compute_attention
 
@@ -133,8 +160,15 @@ def _attention(layer):
         causal = kwargs.pop("use_causal_mask", False)  # (Keras 3.15's causal-only path.)
         mask = _and(_whole_keys(attention_mask, shards, local),
                     shards.causal(_local_length(query)) if causal else None)
-        return compute(layer, query, shards.gather(key), shards.gather(value), mask,
-                       *args, **kwargs)
+        key, value = shards.gather(key), shards.gather(value)
+        blockwise = _blockwise(layer, query, args, kwargs)
+        if blockwise is None:
+            return compute(layer, query, key, value, mask, *args, **kwargs)
+        scale, masked_rows, returns_scores = blockwise
+        output = blockwise_attention.attention(query, key, value, mask, scale,
+                                               ATTENTION_BLOCK, masked_rows)
+        output = tf.cast(output, layer.compute_dtype)
+        return (output, None) if returns_scores else output
 
     return compute_attention
 

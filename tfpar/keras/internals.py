@@ -145,6 +145,10 @@ ATTRIBUTES = {
     "_dropout": "keras.layers.MultiHeadAttention (its rate: a share of the heads would draw "
                 "another dropout mask)",
     "_use_gate": "keras.layers.MultiHeadAttention (gated attention, since Keras 3.14)",
+    "_inverse_sqrt_key_dim": "keras.layers.MultiHeadAttention (its scores' scale: context "
+                             "parallelism's blockwise attention)",
+    "_inv_norm_factor": "keras-hub's LlamaAttention (its scores' scale: context parallelism's "
+                        "blockwise attention)",
     "_sliding_window": "keras.layers.MultiHeadAttention (sliding-window attention, since "
                        "Keras 3.15: not under context parallelism yet)",
     "_flatten_metrics_in_order": "keras.Model",

@@ -73,9 +73,13 @@ def test_an_attention_mask_input_is_split_by_queries_and_keeps_every_key():
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_the_keys_and_values_are_gathered_and_the_scores_are_a_replicas_rows():
-    """Each replica's attention scores are its L/C queries against the L keys, and the
-    traced forward gathers keys and values from the replicas (the padding mask too)."""
+def test_the_keys_and_values_are_gathered_and_the_scores_are_a_replicas_rows(monkeypatch):
+    """Each replica's attention scores are its L/C queries against one block of the L keys at
+    a time (blocks of L/2 here: two per replica, never the whole L/C x L), and the traced
+    forward gathers keys and values from the replicas (the padding mask too)."""
+    from tfpar.keras import context_layers
+
+    monkeypatch.setattr(context_layers, "ATTENTION_BLOCK", LENGTH // 2)
     x, _ = _tokens()
     strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
     with strategy.scope():
@@ -92,8 +96,11 @@ def test_the_keys_and_values_are_gathered_and_the_scores_are_a_replicas_rows():
     # Per replica: keys and values ([batch, positions, heads, depth]); in one process the
     # padding mask is put together in the graph.
     assert ranks.count(4) == 4, ranks
-    scores = [op.outputs[0].shape.as_list()[1:] for op in operations if op.type == "Softmax"]
-    assert scores == [[2, LENGTH // 2, LENGTH]] * 2, scores  # [heads, queries, keys]
+    # [heads, queries, keys] of each block's probabilities, in each replica.
+    scores = [op.outputs[0].shape.as_list()[1:] for op in operations
+              if op.type == "Exp" and op.outputs[0].shape.rank == 4]
+    assert scores == [[2, LENGTH // 2, LENGTH // 2]] * 4, scores
+    assert not [op for op in operations if op.type == "Softmax"]
 
 
 def test_models_and_settings_it_cannot_split_are_refused_before_the_first_step():
