@@ -158,15 +158,21 @@ def _attention(layer):
             return compute(layer, query, key, value, attention_mask, *args, **kwargs)
         local = _local_length(key)
         causal = kwargs.pop("use_causal_mask", False)  # (Keras 3.15's causal-only path.)
-        mask = _and(_whole_keys(attention_mask, shards, local),
-                    shards.causal(_local_length(query)) if causal else None)
-        key, value = shards.gather(key), shards.gather(value)
         blockwise = _blockwise(layer, query, args, kwargs)
+        keep = None
+        if blockwise is not None and attention_mask is None and causal:
+            keep = _made_by_blocks(shards, _local_length(query), None)
+        elif blockwise is not None and attention_mask is not None:
+            keep = _by_blocks.keep_of(attention_mask)
+        mask = None if keep is not None else _and(
+            _whole_keys(attention_mask, shards, local),
+            shards.causal(_local_length(query)) if causal else None)
+        key, value = shards.gather(key), shards.gather(value)
         if blockwise is None:
             return compute(layer, query, key, value, mask, *args, **kwargs)
         scale, masked_rows, returns_scores = blockwise
         output = blockwise_attention.attention(query, key, value, mask, scale,
-                                               ATTENTION_BLOCK, masked_rows)
+                                               ATTENTION_BLOCK, masked_rows, keep)
         output = tf.cast(output, layer.compute_dtype)
         return (output, None) if returns_scores else output
 
@@ -225,7 +231,46 @@ def _causal_mask(shards, sequence, padding, attention_mask=None):
     padding = None if padding is None else shards.gather(padding)[:, None, :]
     mask = _and(padding, _whole_keys(attention_mask, shards, local), shards.causal(local))
     batch = tf.shape(sequence)[0]
-    return tf.cast(tf.broadcast_to(mask, [batch, local, shards.length(local)]), tf.int32)
+    whole = tf.cast(tf.broadcast_to(mask, [batch, local, shards.length(local)]), tf.int32)
+    if attention_mask is None:
+        # The attention this mask reaches makes it by blocks (and then nothing reads the
+        # whole, which the traced step never computes).
+        _by_blocks.remember(whole, _made_by_blocks(shards, local, padding))
+    return whole
+
+
+def _made_by_blocks(shards, local, padding):
+    """`keep(start, end)` for blockwise attention: a causal mask (and a padding mask, [batch,
+    1, length]) over keys start:end, made when a block needs it."""
+    positions = shards.positions(local)
+
+    def keep(start, end):
+        visible = positions[None, :, None] >= tf.range(start, end)[None, None, :]
+        return visible if padding is None else tf.logical_and(
+            visible, tf.cast(padding[..., start:end], tf.bool))
+
+    return keep
+
+
+class _MasksByBlocks:
+    """Masks made whole by a decoder (as keras-hub's attention layers take them) that the
+    attention under context parallelism makes by blocks instead: {id: (tensor, keep)}, the
+    tensor kept to tell a reused id apart, forgotten when its trace ends."""
+
+    def __init__(self):
+        self._known = {}
+
+    def remember(self, mask, keep):
+        self._known[id(mask)] = (mask, keep)
+        if len(self._known) > 64:  # (Older traces' masks: never asked for again.)
+            self._known.pop(next(iter(self._known)))
+
+    def keep_of(self, mask):
+        known = self._known.get(id(mask))
+        return known[1] if known is not None and known[0] is mask else None
+
+
+_by_blocks = _MasksByBlocks()
 
 
 def _block_mask(layer):

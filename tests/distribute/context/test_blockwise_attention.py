@@ -88,3 +88,22 @@ def test_bad_arguments_are_refused_clearly():
     q, k, v, _, _ = _inputs()
     with pytest.raises(ValueError, match="masked_rows is 'zero' or 'uniform'"):
         blockwise_attention.attention(q, k, v, masked_rows="ones")
+
+
+@pytest.mark.parametrize("masked_rows", ["zero", "uniform"])
+def test_a_mask_made_by_blocks_gives_what_the_whole_mask_gives(masked_rows):
+    q, k, v, upstream, mask = _inputs()
+    whole = _value_and_gradients(
+        lambda *t: blockwise_attention.attention(*t, mask, SCALE, 4, masked_rows), q, k, v,
+        upstream)
+    made = []
+    by_blocks = _value_and_gradients(
+        lambda *t: blockwise_attention.attention(
+            *t, scale=SCALE, block=4, masked_rows=masked_rows,
+            keep=lambda start, end: made.append((start, end)) or mask[..., start:end]),
+        q, k, v, upstream)
+    for g, w in zip(by_blocks, whole):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+    assert sorted(set(made)) == [(0, 4), (4, 8), (8, 11)]
+    with pytest.raises(ValueError, match="not both"):
+        blockwise_attention.attention(q, k, v, mask, keep=lambda start, end: None)

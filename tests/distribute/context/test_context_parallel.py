@@ -149,12 +149,16 @@ def test_gpus_gather_by_the_collectives_nccl_not_the_in_process_nccl_ops():
         tf.distribute.experimental.CommunicationImplementation.NCCL)
 
 
-def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas():
+def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas(monkeypatch):
     """keras-hub's decoder blocks (their self-attention mask made from the whole sequence's
     padding and the positions) and learned positions (the replica's own) at C=4; rows padded
-    at the start, so every causal query sees padded keys unless the gathered mask hides them."""
+    at the start, so every causal query sees padded keys unless the gathered mask hides them.
+    The attention makes its mask by blocks (of 8 keys here): the whole one is never read."""
+    from tfpar.keras import context_layers
+
     keras_hub = pytest.importorskip("keras_hub")
     length = 16
+    monkeypatch.setattr(context_layers, "ATTENTION_BLOCK", length // 2)
 
     def make():
         keras.utils.set_random_seed(0)
@@ -174,9 +178,34 @@ def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas():
          "padding_mask": padding}
     y = rng.integers(0, VOCABULARY, (EXAMPLES, length)).astype("int32")
     want, _ = _fit(None, make, x, y)
-    got, _ = _fit(tfpar.DataParallelStrategy(cpus(4), context_parallel=4), make, x, y)
+    strategy = tfpar.DataParallelStrategy(cpus(4), context_parallel=4)
+    got, _ = _fit(strategy, make, x, y)
     for g, w, variable in zip(got.get_weights(), want.get_weights(), want.weights):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=variable.path)
+    # The decoders' masks over the whole sequence ([batch, L/C, L]) are made, as keras-hub's
+    # code asks, but read by nothing: the attention makes its mask block by block.
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))))
+
+    @tf.function
+    def step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    y, got(x, training=True), from_logits=True))
+            return tape.gradient(loss, got.trainable_variables)
+        return strategy.run(replica, args=(x, y))
+
+    operations = step.get_concrete_function(*batch).graph.get_operations()
+
+    def whole(tensor):
+        return tensor.shape.rank == 3 and tensor.shape[1:] == [length // 4, length] \
+            and tensor.dtype in (tf.bool, tf.int32)
+
+    made = [t for op in operations for t in op.outputs if whole(t)]
+    read = [(t.name, c.type) for t in made for c in t.consumers()
+            if not any(whole(o) for o in c.outputs)]
+    assert made and not read, read
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "parameters"])

@@ -23,24 +23,30 @@ import tensorflow as tf
 _MASKED = -1e9
 
 
-def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="zero"):
+def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="zero",
+              keep=None):
     """softmax(scale * q k^T, masked) v over blocks of `block` keys.
 
     query: [batch, queries, heads, depth]; key: [batch, keys, heads, depth]; value: [batch,
     keys, heads, value_depth]; mask: None or bool [batch or 1, queries, keys] (True: the
-    query sees the key). Returns [batch, queries, heads, value_depth] in query's dtype;
-    scores, softmax and sums in float32.
+    query sees the key); or, in its place, `keep(start, end)`: the mask's keys start:end,
+    made when a block needs them (a causal or padding mask is never whole). Returns [batch,
+    queries, heads, value_depth] in query's dtype; scores, softmax and sums in float32.
     """
     if masked_rows not in ("zero", "uniform"):
         raise ValueError(f"masked_rows is 'zero' or 'uniform'; got {masked_rows!r}")
+    if mask is not None and keep is not None:
+        raise ValueError("Pass a mask or a function that makes its blocks (keep), not both.")
     keys = key.shape[1]
     if keys is None:
         raise ValueError(f"Blockwise attention needs a static number of keys; got key of "
                          f"shape {key.shape}.")
     bounds = [(start, min(start + block, keys)) for start in range(0, keys, block)]
     dtype = query.dtype
-    has_mask = mask is not None
-    mask = tf.cast(mask, tf.bool) if has_mask else tf.zeros((), tf.bool)
+    has_mask = mask is not None or keep is not None
+    if mask is not None:
+        mask = tf.cast(mask, tf.bool)
+        keep = lambda start, end: mask[..., start:end]  # noqa: E731
 
     def scores_of(q, k, keep):
         scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * scale
@@ -49,12 +55,15 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
         return scores
 
     @tf.custom_gradient
-    def run(query, key, value, mask):
+    def run(query, key, value):
         q, k, v = (tf.cast(t, tf.float32) for t in (query, key, value))
-        maximum = denominator = total = None
+        maximum = denominator = total = sees = None
         for start, end in bounds:
-            keep = mask[..., start:end] if has_mask else None
-            scores = scores_of(q, k[:, start:end], keep)
+            visible = keep(start, end) if has_mask else None
+            if visible is not None and masked_rows == "zero":
+                row = tf.reduce_any(visible, axis=-1)
+                sees = row if sees is None else tf.logical_or(sees, row)
+            scores = scores_of(q, k[:, start:end], visible)
             block_max = tf.reduce_max(scores, axis=-1)
             new_maximum = block_max if maximum is None else tf.maximum(maximum, block_max)
             probabilities = tf.exp(scores - new_maximum[..., None])
@@ -70,9 +79,8 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
         out = total / denominator[..., None]  # [b, h, q, d]
         # (Kept apart, not as a log-sum-exp: next to a masked row's -1e9, a log of the
         # denominator would round away.)
-        sees = None
-        if has_mask and masked_rows == "zero":
-            sees = tf.reduce_any(mask, axis=-1)[:, None]  # [b or 1, 1, q]
+        if sees is not None:  # [b or 1, 1, q]: whether the query sees any key.
+            sees = sees[:, None]
             out = tf.where(sees[..., None], out, 0.0)
 
         def gradient(upstream):
@@ -81,9 +89,9 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
             d_q = tf.zeros_like(q)
             d_k, d_v = [], []
             for start, end in bounds:
-                keep = mask[..., start:end] if has_mask else None
+                visible = keep(start, end) if has_mask else None
                 k_block, v_block = k[:, start:end], v[:, start:end]
-                probabilities = tf.exp(scores_of(q, k_block, keep) - maximum[..., None]) \
+                probabilities = tf.exp(scores_of(q, k_block, visible) - maximum[..., None]) \
                     / denominator[..., None]
                 if sees is not None:  # (A row that sees no key gave zeros.)
                     probabilities = tf.where(sees[..., None], probabilities, 0.0)
@@ -91,13 +99,13 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
                 d_p = tf.einsum("bhqd,bkhd->bhqk", d_out, v_block)
                 d_scores = probabilities * (d_p - delta[..., None])
                 if has_mask:  # A masked score passes no gradient.
-                    d_scores = tf.where(keep[:, None], d_scores, 0.0)
+                    d_scores = tf.where(visible[:, None], d_scores, 0.0)
                 d_scores = d_scores * scale
                 d_q += tf.einsum("bhqk,bkhd->bqhd", d_scores, k_block)
                 d_k.append(tf.einsum("bhqk,bqhd->bkhd", d_scores, q))
             return (tf.cast(d_q, query.dtype), tf.cast(tf.concat(d_k, 1), key.dtype),
-                    tf.cast(tf.concat(d_v, 1), value.dtype), None)
+                    tf.cast(tf.concat(d_v, 1), value.dtype))
 
         return tf.cast(tf.transpose(out, [0, 2, 1, 3]), dtype), gradient
 
-    return run(query, key, value, mask)
+    return run(query, key, value)
