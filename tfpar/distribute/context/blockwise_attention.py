@@ -23,6 +23,13 @@ import tensorflow as tf
 _MASKED = -1e9
 
 
+def _after(*previous):
+    """Ops made here wait for `previous` (every result of the last block): otherwise
+    TensorFlow may run later blocks' scores first, or a block's sum last, holding many
+    blocks at once (measured: a replica's peak grew as L^2/C)."""
+    return tf.control_dependencies([p for p in previous if p is not None])
+
+
 def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="zero",
               keep=None):
     """softmax(scale * q k^T, masked) v over blocks of `block` keys.
@@ -59,15 +66,17 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
         q, k, v = (tf.cast(t, tf.float32) for t in (query, key, value))
         maximum = denominator = total = sees = None
         for start, end in bounds:
-            visible = keep(start, end) if has_mask else None
+            with _after(total, denominator, maximum, sees):
+                v_block = v[:, start:end]
+                visible = keep(start, end) if has_mask else None
+                scores = scores_of(q, k[:, start:end], visible)
             if visible is not None and masked_rows == "zero":
                 row = tf.reduce_any(visible, axis=-1)
                 sees = row if sees is None else tf.logical_or(sees, row)
-            scores = scores_of(q, k[:, start:end], visible)
             block_max = tf.reduce_max(scores, axis=-1)
             new_maximum = block_max if maximum is None else tf.maximum(maximum, block_max)
             probabilities = tf.exp(scores - new_maximum[..., None])
-            part = tf.einsum("bhqk,bkhd->bhqd", probabilities, v[:, start:end])
+            part = tf.einsum("bhqk,bkhd->bhqd", probabilities, v_block)
             sums = tf.reduce_sum(probabilities, axis=-1)
             if maximum is None:
                 denominator, total = sums, part
@@ -89,14 +98,15 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
             d_q = tf.zeros_like(q)
             d_k, d_v = [], []
             for start, end in bounds:
-                visible = keep(start, end) if has_mask else None
-                k_block, v_block = k[:, start:end], v[:, start:end]
-                probabilities = tf.exp(scores_of(q, k_block, visible) - maximum[..., None]) \
-                    / denominator[..., None]
+                with _after(d_q, *(d_k[-1:] + d_v[-1:])):
+                    k_block, v_block = k[:, start:end], v[:, start:end]
+                    visible = keep(start, end) if has_mask else None
+                    scores = scores_of(q, k_block, visible)
+                    d_p = tf.einsum("bhqd,bkhd->bhqk", d_out, v_block)
+                probabilities = tf.exp(scores - maximum[..., None]) / denominator[..., None]
                 if sees is not None:  # (A row that sees no key gave zeros.)
                     probabilities = tf.where(sees[..., None], probabilities, 0.0)
                 d_v.append(tf.einsum("bhqk,bhqd->bkhd", probabilities, d_out))
-                d_p = tf.einsum("bhqd,bkhd->bhqk", d_out, v_block)
                 d_scores = probabilities * (d_p - delta[..., None])
                 if has_mask:  # A masked score passes no gradient.
                     d_scores = tf.where(visible[:, None], d_scores, 0.0)
