@@ -13,10 +13,13 @@ worker's TensorFlow allocator peak and resident peak, and the bytes each worker 
 (its TCP sockets, `ss`, as `hybrid_traffic.py` counts them) against `step_bytes`. Writes
 benchmarks/results/long_context.json.
 
-What to expect: all-gather context parallelism divides the activations of each position's
-layers (O(L/C) per device) and attention's score matrices (L/C queries x L keys), but each
-device still holds the whole sequence's keys and values. Where the scores dominate, a device's
-peak falls as 1/C at a given length, so the longest length grows about as sqrt(C).
+What to expect: context parallelism divides the activations of each position's layers
+(O(L/C) per device); attention runs by blocks of keys with a recomputing backward
+(`tfpar.distribute.context.blockwise_attention`), so a device holds its L/C queries against one
+block of keys at a time, plus the whole sequence's keys and values. C = 1 is plain Keras
+(attention's whole L x L scores): the longest length grows faster than C from C = 1 to 2 (the
+blocks), about as C from 2 to 4. (Before session 32 attention kept L/C x L scores: sqrt(C),
+`results/long_context_gathered.json`.)
 """
 
 import argparse

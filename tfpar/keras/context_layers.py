@@ -7,7 +7,9 @@ under the strategy (`prepare`):
   its local queries against the keys and values of the whole sequence, gathered from every
   replica in order; its mask covers the whole sequence (a padding mask gathered, the causal
   mask from each query's position in the sequence, an attention-mask input split by
-  queries, its keys whole);
+  queries, its keys whole); Keras' and keras-hub's GPT-2 and Llama attention attend a block
+  of keys at a time with a recomputing backward (`blockwise_attention`), the causal and
+  padding masks made by blocks;
 - keras-hub's transformer decoders (GPT-2's, Llama's, Gemma's blocks) build their
   self-attention mask that way, and learned and rotary position embeddings take the
   replica's positions in the sequence.
@@ -125,7 +127,7 @@ def _and(*masks):
 
 # Keys per block of context parallelism's attention (`blockwise_attention`): a replica's
 # scores are its L/C queries x this many keys at a time.
-ATTENTION_BLOCK = 512
+ATTENTION_BLOCK = 256
 _LLAMA_ATTENTION = "keras_hub.src.models.llama.llama_attention.LlamaAttention"
 _KERAS_ATTENTION = {
     "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
