@@ -86,14 +86,15 @@ def task(args):
 
 def step_bytes(length, context, parameters):
     """Bytes one worker sends per step by the formula: the gradients' ring all-reduce,
-    and per block the keys' and values' ring all-gather forward ((C-1) x its part; Llama
-    repeats its 2 key/value heads to the 4 query heads first: the hidden width), the padding
-    mask's (int32), and backward TensorFlow's gradient of the gather, a ring all-reduce of
-    the whole sequence's gradient (2 (C-1)/C x L x width, for keys and values)."""
+    and per block the keys' and values' ring all-gather forward ((C-1) x its part, of the 2
+    key/value heads: half the hidden width), the padding mask's (int32), and backward
+    TensorFlow's gradient of the gather, a ring all-reduce of the whole sequence's gradient
+    (2 (C-1)/C x L x width, for keys and values)."""
     share = (context - 1) / context
     part = length // context
-    per_block = 2 * (context - 1) * part * HIDDEN * 4 + (context - 1) * part * 4 \
-        + 2 * 2 * share * length * HIDDEN * 4
+    width = HIDDEN // 2  # (2 of 4 heads: Llama's grouped-query attention.)
+    per_block = 2 * (context - 1) * part * width * 4 + (context - 1) * part * 4 \
+        + 2 * 2 * share * length * width * 4
     return 2 * share * 4 * parameters + LAYERS * per_block
 
 

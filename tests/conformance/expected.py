@@ -370,7 +370,7 @@ ISSUE = ("issue 11", "issue 15", "issue 35", "issue 37")  # What a known gap's r
 KNOWN_GAPS = {
     ("attention_custom_loop", "cp3"): (
         "issue 37: a custom loop whose optimizer makes its state at its first "
-        "apply_gradients, inside tf.function, fails in TensorFlow 2.21 under context "
+        "apply_gradients, inside tf.function, fails in TensorFlow 2.19-2.21 under context "
         "parallelism ('You must feed a value for placeholder tensor cond/else/.../Placeholder'"
         ": TensorFlow runs a first call that made variables under a cond, where collectives "
         "in the replica step fail; stock MirroredStrategy with one all_gather or all_reduce "

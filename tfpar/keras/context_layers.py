@@ -151,6 +151,28 @@ def _blockwise(layer, query, args, kwargs):
     return internals.attr(layer, "_inverse_sqrt_key_dim"), "uniform", True
 
 
+def _gathered_heads(layer, shards, x):
+    """`x` ([batch, positions, heads, depth]) gathered over the sequence. Llama repeats each
+    key/value head `num_key_value_groups` times before its attention (grouped-query
+    attention): only the distinct heads travel, repeated after (the same values; the
+    repeat's gradient sums the copies as Llama's own does)."""
+    groups = getattr(layer, "num_key_value_groups", 1) if _path(layer) == _LLAMA_ATTENTION \
+        else 1
+    if groups == 1:
+        return shards.gather(x)
+    _check_repeats_heads(type(layer))
+    return tf.repeat(shards.gather(x[:, :, ::groups]), groups, axis=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_repeats_heads(cls):
+    source = inspect.getsource(cls.call)
+    internals.check(
+        "ops.repeat(key, repeats=self.num_key_value_groups, axis=2)" in source
+        and "ops.repeat(value, repeats=self.num_key_value_groups, axis=2)" in source,
+        f"{cls.__name__}.call repeating each key/value head in place (ops.repeat, axis=2)")
+
+
 def _attention(layer):
     compute = type(layer)._compute_attention
 
@@ -169,7 +191,7 @@ def _attention(layer):
         mask = None if keep is not None else _and(
             _whole_keys(attention_mask, shards, local),
             shards.causal(_local_length(query)) if causal else None)
-        key, value = shards.gather(key), shards.gather(value)
+        key, value = (_gathered_heads(layer, shards, t) for t in (key, value))
         if blockwise is None:
             return compute(layer, query, key, value, mask, *args, **kwargs)
         scale, masked_rows, returns_scores = blockwise

@@ -385,3 +385,33 @@ def test_a_custom_loop_with_adamw_clipping_and_padding_trains_as_one_device(shar
         np.testing.assert_allclose(g, w, atol=1e-5)
     assert max(np.abs(w - w0).max() for w, w0 in zip(want, _attention_model().get_weights())) \
         > 1e-3
+
+
+def test_llamas_grouped_key_value_heads_travel_once(monkeypatch):
+    """Llama repeats its 2 key/value heads to its 4 query heads before attention: the
+    replicas gather the 2 distinct heads (half the bytes) and repeat them after."""
+    from tfpar.distribute.context import sequence_split
+
+    keras_hub = pytest.importorskip("keras_hub")
+    gathered = []
+    gather = sequence_split.SequenceShards.gather
+    monkeypatch.setattr(sequence_split.SequenceShards, "gather",
+                        lambda self, x, axis=1: gathered.append(x.shape.as_list())
+                        or gather(self, x, axis))
+    strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=VOCABULARY, num_layers=1, num_query_heads=4,
+            num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    x = {"token_ids": np.ones((2, LENGTH), "int32"), "padding_mask": np.ones((2, LENGTH), "int32")}
+    batch = next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(x).batch(2))))
+
+    @tf.function
+    def forward(batch):
+        return strategy.run(lambda b: backbone(b, training=True), args=(batch,))
+
+    forward.get_concrete_function(batch)
+    heads = [shape[2] for shape in gathered if len(shape) == 4]
+    assert heads == [2] * 4, gathered  # Keys and values, on each of the 2 replicas.
