@@ -116,7 +116,8 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         each holds two of 2C chunks of every example's positions (an early and a late
         one, so that causal attention costs every replica alike), its layers run on its
         positions, and attention gathers the keys and values of the whole sequence from
-        the others (Llama 3's all-gather context parallelism). Inputs whose second axis
+        the others (Llama 3's all-gather context parallelism), attending to them a block
+        of keys at a time with a recomputing backward. Inputs whose second axis
         is the sequence (the first input's static length, a multiple of 2C) are split;
         the loss is normalized over every replica's tokens, gradients summed as in data
         parallelism. Keras' attention, keras-hub's transformer layers and position
