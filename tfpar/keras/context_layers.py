@@ -8,7 +8,7 @@ under the strategy (`prepare`):
   replica in order; its mask covers the whole sequence (a padding mask gathered, the causal
   mask from each query's position in the sequence, an attention-mask input split by
   queries, its keys whole); Keras' and keras-hub's GPT-2 and Llama attention attend a block
-  of keys at a time with a recomputing backward (`blockwise_attention`), the causal and
+  of keys at a time with a recomputing backward (`SequenceShards.attend`), the causal and
   padding masks made by blocks;
 - keras-hub's transformer decoders (GPT-2's, Llama's, Gemma's blocks) build their
   self-attention mask that way, and learned and rotary position embeddings take the
@@ -27,7 +27,6 @@ import inspect
 import tensorflow as tf
 
 from tfpar.contract import hooks_of
-from tfpar.distribute.context import blockwise_attention
 from tfpar.keras import internals
 
 # Layers that act on each position of a sequence alone (by class path, so that keras-hub
@@ -125,9 +124,6 @@ def _and(*masks):
     return functools.reduce(tf.logical_and, masks)
 
 
-# Keys per block of context parallelism's attention (`blockwise_attention`): a replica's
-# scores are its L/C queries x this many keys at a time.
-ATTENTION_BLOCK = 256
 _LLAMA_ATTENTION = "keras_hub.src.models.llama.llama_attention.LlamaAttention"
 _KERAS_ATTENTION = {
     "keras.src.layers.attention.multi_head_attention.MultiHeadAttention",
@@ -136,7 +132,8 @@ _KERAS_ATTENTION = {
 
 def _blockwise(layer, query, args, kwargs):
     """(scale, masked_rows, returns_scores) when the layer's attention is softmax(scale q k^T)
-    v that `blockwise_attention` computes as the layer would, else None (the layer's own
+    v that the strategy's blockwise attention (`SequenceShards.attend`) computes as the
+    layer would, else None (the layer's own
     code runs, on the gathered keys). Keras' MultiHeadAttention without dropout on its
     probabilities goes through `ops.dot_product_attention` (a query that sees no key
     averages every value); Llama's through a `Softmax` layer (it outputs zeros)."""
@@ -195,8 +192,7 @@ def _attention(layer):
         if blockwise is None:
             return compute(layer, query, key, value, mask, *args, **kwargs)
         scale, masked_rows, returns_scores = blockwise
-        output = blockwise_attention.attention(query, key, value, mask, scale,
-                                               ATTENTION_BLOCK, masked_rows, keep)
+        output = shards.attend(query, key, value, mask, scale, masked_rows, keep)
         output = tf.cast(output, layer.compute_dtype)
         return (output, None) if returns_scores else output
 

@@ -75,6 +75,19 @@ def test_exchange_group_keys_are_distinct_and_clear_of_the_strategies_blocks():
                        for lower in range(64) for level in range(7)}
 
 
+def test_strategies_without_halving_doubling_take_none_of_its_keys():
+    """Only halving-doubling strategies count against its 512 per process (the suite's one
+    pytest process made 514 strategies of every kind, and the next halving-doubling one was
+    refused)."""
+    first = group_keys.next_key_base()
+    slot = group_keys.exchange_slot(first)
+    for _ in range(600):  # Strategies that never exchange in pairs.
+        group_keys.next_key_base()
+    second = group_keys.next_key_base()
+    assert group_keys.exchange_slot(second) == slot + 1
+    assert group_keys.exchange_key(second, 0, 0) != group_keys.exchange_key(first, 0, 0)
+
+
 @pytest.mark.parametrize("n, doubling_bytes, gathers", [
     (4, 0, 4),        # halving-doubling: 2 log2(4) exchanges per replica
     (4, 1 << 20, 2),  # recursive doubling: log2(4)

@@ -77,9 +77,9 @@ def test_the_keys_and_values_are_gathered_and_the_scores_are_a_replicas_rows(mon
     """Each replica's attention scores are its L/C queries against one block of the L keys at
     a time (blocks of L/2 here: two per replica, never the whole L/C x L), and the traced
     forward gathers keys and values from the replicas (the padding mask too)."""
-    from tfpar.keras import context_layers
+    from tfpar.distribute.context import sequence_split
 
-    monkeypatch.setattr(context_layers, "ATTENTION_BLOCK", LENGTH // 2)
+    monkeypatch.setattr(sequence_split, "ATTENTION_BLOCK", LENGTH // 2)
     x, _ = _tokens()
     strategy = tfpar.DataParallelStrategy(cpus(2), context_parallel=2)
     with strategy.scope():
@@ -154,11 +154,11 @@ def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas(mo
     padding and the positions) and learned positions (the replica's own) at C=4; rows padded
     at the start, so every causal query sees padded keys unless the gathered mask hides them.
     The attention makes its mask by blocks (of 8 keys here): the whole one is never read."""
-    from tfpar.keras import context_layers
+    from tfpar.distribute.context import sequence_split
 
     keras_hub = pytest.importorskip("keras_hub")
     length = 16
-    monkeypatch.setattr(context_layers, "ATTENTION_BLOCK", length // 2)
+    monkeypatch.setattr(sequence_split, "ATTENTION_BLOCK", length // 2)
 
     def make():
         keras.utils.set_random_seed(0)

@@ -101,18 +101,33 @@ _FIRST_EXCHANGE_KEY = 1 << 30
 _EXCHANGE_KEYS = 1 << 20
 _EXCHANGE_STRATEGIES = 512  # Per kind (one-host, cross-worker) and process.
 _LEVELS = 32
+# A strategy's place among the halving-doubling ones of its kind, taken when its exchanges
+# are made: other strategies (the suite makes hundreds in one process) take none. Workers
+# make their cross-worker strategies in the same order (checked), so they agree.
+_exchange_slots = {}
+_exchange_counts = {False: itertools.count(), True: itertools.count()}
+
+
+def exchange_slot(key_base):
+    """The halving-doubling slot of the strategy at `key_base` (0 for the first such
+    strategy of its kind in this process), taken on first call."""
+    block = key_base // _BLOCK
+    with _lock:
+        if block not in _exchange_slots:
+            _exchange_slots[block] = next(_exchange_counts[block >= _FIRST_CLUSTER_BLOCK])
+        return _exchange_slots[block]
 
 
 def exchange_key(key_base, lower, level):
     """The group key of the pair of replicas that meet at `level` of a halving-doubling
     all-reduce of the strategy at `key_base`, `lower` the lower replica of the two."""
-    block = key_base // _BLOCK
-    across_workers = block >= _FIRST_CLUSTER_BLOCK
-    index = block - (_FIRST_CLUSTER_BLOCK if across_workers else _FIRST_LOCAL_BLOCK)
+    across_workers = key_base // _BLOCK >= _FIRST_CLUSTER_BLOCK
+    index = exchange_slot(key_base)
     if not 0 <= index < _EXCHANGE_STRATEGIES:
         raise ValueError(f"Halving-doubling all-reduces have group keys for "
-                         f"{_EXCHANGE_STRATEGIES} strategies of a process; this is its "
-                         f"{index + 1}th. Use communication='ring' for more strategies.")
+                         f"{_EXCHANGE_STRATEGIES} halving-doubling strategies of a process; "
+                         f"this is its {index + 1}th. Use communication='ring' for more "
+                         f"strategies.")
     pair = lower * _LEVELS + level
     if not (0 <= level < _LEVELS and 0 <= pair < _EXCHANGE_KEYS):
         raise ValueError(f"No group key for replica {lower} at level {level}: "

@@ -32,6 +32,7 @@ class Exchanges:
         self.doubling_bytes = (steps_lib.DOUBLING_BYTES if doubling_bytes is None
                                else doubling_bytes)
         self._key_base = key_base
+        group_keys.exchange_slot(key_base)  # (Taken now, in the order strategies are made.)
         self._instance_keys = collective_positions.InstanceKeys()
 
     def algorithm_for(self, nbytes):

@@ -16,8 +16,13 @@ the global count of tokens, and the gradients are summed over the replicas.
 
 import tensorflow as tf
 
+from tfpar.distribute.context import blockwise_attention
 from tfpar.keras.replicas import replica_in_sync
 from tfpar.plan import context_parallel as plan
+
+# Keys per block of a replica's attention: its scores are its L/C queries x this many keys
+# at a time (`blockwise_attention`).
+ATTENTION_BLOCK = 256
 
 
 def _sequence_length(dataset):
@@ -93,7 +98,8 @@ def worker_part(dataset, devices, first, local):
 class SequenceShards:
     """What a replica of a context-parallel strategy holds of the sequence, in replica
     context: `positions(local)`, `gather(x)` (x's sequence from every replica, in order),
-    `causal(local)` (the mask of which keys each of its queries sees)."""
+    `causal(local)` (the mask of which keys each of its queries sees), `attend(...)` (its
+    queries against the gathered keys, by blocks)."""
 
     def __init__(self, devices):
         self.devices = devices
@@ -133,6 +139,12 @@ class SequenceShards:
         shape[axis] = self.length(local)
         whole.set_shape(shape)  # (Every replica holds as many examples: x's other axes.)
         return tf.cast(whole, tf.bool) if x.dtype == tf.bool else whole
+
+    def attend(self, query, key, value, mask=None, scale=1.0, masked_rows="zero", keep=None):
+        """This replica's queries against the whole sequence's `key` and `value`, a block of
+        ATTENTION_BLOCK keys at a time with a recomputing backward (`blockwise_attention`)."""
+        return blockwise_attention.attention(query, key, value, mask, scale, ATTENTION_BLOCK,
+                                             masked_rows, keep)
 
     def causal(self, local):
         """[1, local, length]: True where query i of this replica may see key j (j <= the
