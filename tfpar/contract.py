@@ -62,6 +62,9 @@ class StrategyHooks:
     _tfpar_train_step = None
     # (model) -> an error message, or None: refuse `jit_compile=True` before a step.
     _tfpar_xla_refusal = None
+    # jit_compile=True compiles each replica's model call, not the whole step
+    # (`tfpar.keras.replica_xla`).
+    _tfpar_compiles_replicas = False
     # (model, step_function) -> an error message, or None: refuse a step before it is built.
     _tfpar_step_refusal = None
     # (optimizer, grads, variables, learning_rate, ...) -> None: ZeRO's sharded update.

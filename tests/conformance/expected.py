@@ -50,7 +50,7 @@ ZERO3_FEATURES = ZERO2_FEATURES + [
     "sample_weight", "masked_rnn_per_timestep", "uneven_global_batch", "batchnorm", "recompile",
     "steps_per_execution", "kernel_regularizer", "activity_regularizer", "add_loss",
     "nested_model", "subclassed_model", "custom_train_step", "multi_input_output",
-    "export_savedmodel", "dropout_seeded"]
+    "export_savedmodel", "dropout_seeded", "jit_compile_batchnorm", "jit_compile_add_loss"]
 # Features run under model parallelism (one replica; layers placed on devices): those whose
 # steps, losses, variables or saving its placement could change, and the custom loops.
 # (Session 22 dropped masked_pooling, dropout_seeded, activity_regularizer, add_loss,
@@ -130,8 +130,14 @@ PIPELINE_TP_VARIANT_FEATURES = ["loss_sum_over_batch_size", "sample_weight",
 RECIPE_FEATURES = ["clip_global_norm_one_replica", "clip_norm_one_replica",
                    "clip_value_one_replica", "overflow_one_replica", "adamw_recipe",
                    "custom_loop_clip", "masked_dense_sum", "masked_dense_mean",
-                   "attention_recipe", "attention_custom_loop"]
+                   "attention_recipe", "attention_custom_loop", "jit_compile_recipe"]
 RECIPE_COLUMNS = ("dp2", "zero3", "pipe_r2k2", harness.PIPE_TP)
+# jit_compile=True: each replica's model call compiled by XLA (tfpar.keras.replica_xla) where
+# replicas each run Keras' step; refused where a replica's model spans devices (pipelines,
+# model parallelism) or is laid out by DTensor (the mesh).
+JIT_FEATURES = ["jit_compile", "jit_compile_batchnorm", "jit_compile_dropout",
+                "jit_compile_add_loss", "jit_compile_recipe"]
+JIT_COLUMNS = ("dp2", "dp4", "zero1", "zero2", "zero3", "dp2_bf16", "dp2_local", "dp3_hd")
 # (Each cell costs 5-14 s, mostly tracing: the other columns run the rows whose code they
 # change: ZeRO-1's update for the overflow, pipeline x ZeRO-3's owners for AdamW, 1F1B's
 # micro-batches for the masks.)
@@ -203,7 +209,7 @@ CONTEXT_PARALLEL_FEATURES = ["causal_attention", "masked_dense_mean", "masked_po
                              "loss_sum_over_batch_size"]
 NO_ATTENTION = "error:ValueError:the model has no attention layer"
 # The recipes on the attention model: on DP, ZeRO-3 and context parallelism.
-ATTENTION_RECIPE_FEATURES = ["attention_recipe", "attention_custom_loop"]
+ATTENTION_RECIPE_FEATURES = ["attention_recipe", "attention_custom_loop", "jit_compile_recipe"]
 DP = ("dp2", "dp4", "zero2", "zero3")
 PIPELINES = ("gpipe", "1f1b", "pipe_r2k2")
 
@@ -246,7 +252,11 @@ def _expected():
         cells["custom_train_step", s] = "error:ValueError:overrides train_step"
         cells["dropout_seeded", s] = MICRO_DROPOUT
     for s in every:
-        cells["jit_compile", s] = "error:ValueError:with jit_compile=True"
+        for f in JIT_FEATURES:
+            cells[f, s] = (EQUAL if s in JIT_COLUMNS else
+                           "error:ValueError:with jit_compile=True")
+        if s in JIT_COLUMNS:
+            cells["jit_compile_add_loss", s] = "error:ValueError:adds losses in its call"
     cells["dropout_seeded", "pipe_r2k2"] = MICRO_REPLICA_DROPOUT
     for s in ("gpipe", "1f1b"):
         cells["batchnorm", s] = PER_MICRO_BN
@@ -254,8 +264,8 @@ def _expected():
     cells["batchnorm", "pipe_r2k2"] = PER_MICRO_BN_REPLICAS
     cells["batchnorm_synchronized", "pipe_r2k2"] = PER_MICRO_SYNC_BN
     for s in DP:
-        cells["batchnorm", s] = PER_REPLICA_BN
-        cells["dropout_seeded", s] = REPLICA_DROPOUT
+        cells["batchnorm", s] = cells["jit_compile_batchnorm", s] = PER_REPLICA_BN
+        cells["dropout_seeded", s] = cells["jit_compile_dropout", s] = REPLICA_DROPOUT
     for f in MULTI_WORKER_FEATURES:
         cells[f, MULTI_WORKER] = EQUAL
     cells["batchnorm", MULTI_WORKER] = PER_REPLICA_BN
@@ -345,6 +355,7 @@ def _expected():
         cells.pop((f, "cp3"), None)
     cells["causal_attention", "cp3"] = EQUAL
     cells["attention_recipe", "cp3"] = cells["attention_custom_loop", "cp3"] = EQUAL
+    cells["jit_compile_recipe", "cp3"] = "error:ValueError:exchanges keys and values across"
     cells["masked_dense_mean", "cp3"] = NO_ATTENTION
     cells["loss_sum_over_batch_size", "cp3"] = (  # (4 features taken for the sequence.)
         "error:ValueError:its length 4 does not split into 2 x 3 = 6 equal chunks")

@@ -613,6 +613,14 @@ def _features():
                 lambda: dict(optimizer=adam(gradient_accumulation_steps=2), loss=scce()),
                 summary="optimizer gradient_accumulation_steps=2"),
         Feature("jit_compile", mlp, basic_compile(jit_compile=True), summary="jit_compile=True"),
+        Feature("jit_compile_batchnorm", batchnorm_model, basic_compile(jit_compile=True),
+                summary="jit_compile=True, BatchNormalization (its statistics written out of "
+                        "the compiled call)"),
+        Feature("jit_compile_dropout", dropout_model, basic_compile(jit_compile=True),
+                summary="jit_compile=True, Dropout(0.3, seed=7) (its seed written out of the "
+                        "compiled call)"),
+        Feature("jit_compile_add_loss", with_add_loss, basic_compile(jit_compile=True),
+                summary="jit_compile=True, a layer calling self.add_loss"),
         Feature("mixed_bfloat16", mlp, basic_compile(),
                 policy="mixed_bfloat16", atol=1e-2, rtol=1e-2,
                 summary='set_global_policy("mixed_bfloat16"), tolerance 1e-2'),
@@ -710,6 +718,15 @@ def _recipe_features():
                 summary="causal attention: mixed_float16 + LossScaleOptimizer(AdamW(weight_decay"
                         f"=0.1, global_clipnorm={ATTENTION_CLIP}), warmup then cosine decay), "
                         "padding masks, tolerance 1e-2"),
+        Feature("jit_compile_recipe", causal_attention_model, lambda: dict(
+                    optimizer=keras.optimizers.LossScaleOptimizer(_adamw(ATTENTION_CLIP)),
+                    loss=scce(), jit_compile=True),
+                data=sequences, batch_size=20, epochs=2, policy="mixed_float16",
+                atol=1e-2, rtol=1e-2,
+                summary="jit_compile=True, causal attention: mixed_float16 + "
+                        "LossScaleOptimizer(AdamW(weight_decay=0.1, global_clipnorm="
+                        f"{ATTENTION_CLIP}), warmup then cosine decay), padding masks, "
+                        "tolerance 1e-2"),
         Feature("attention_custom_loop", causal_attention_model,
                 lambda: dict(optimizer=_adamw(ATTENTION_CLIP), loss=scce()),
                 loop=custom_loop, data=sequences, batch_size=20, epochs=2,

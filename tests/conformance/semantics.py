@@ -335,5 +335,8 @@ EMULATIONS = {
     "batchnorm": (batchnorm_emulation, ("weights", "history", "evaluate", "predict")),
     "batchnorm_synchronized": (batchnorm_emulation, ("weights", "history", "evaluate", "predict")),
     "dropout_seeded": (dropout_emulation, ("weights", "history", "evaluate", "predict")),
+    "jit_compile_batchnorm": (batchnorm_emulation, ("weights", "history", "evaluate",
+                                                    "predict")),
+    "jit_compile_dropout": (dropout_emulation, ("weights", "history", "evaluate", "predict")),
     "opt_ScheduleFreeAdamW": (built_first_emulation, ("weights", "history")),
 }

@@ -290,7 +290,7 @@ WRAPS = {
     **{(_TRAINER, name): "refused under parameter servers (the chief does not train)"
        for name in ("train_on_batch", "test_on_batch", "predict_on_batch")},
     **{(_TRAINER, f"make_{kind}_function"): "a model on a device mesh runs compiled on DTensor"
-       for kind in ("train", "test", "predict")},
+       for kind in ("train", "test", "predict")},  # (predict: also jit_compile per replica)
     (_TRAINER, "__init__"): "a model announced to the placing strategy it is made under",
     (_TRAINER, "_maybe_symbolic_build"): "a model built from one replica's batch",
     ("TFEpochIterator", "_get_iterator"): "arrays: an iterator made when first read",

@@ -729,6 +729,7 @@ def _refused_before_the_first_step(keras_make_function):
         message = refusal(self) if refusal is not None and self.jit_compile else None
         if message and not self.run_eagerly:
             raise ValueError(message)
+        per_replica = _compiles_per_replica(self)
         refusal = hooks_of(strategy)._tfpar_step_refusal
         message = refusal(self, step_function) if refusal is not None else None
         if message:
@@ -737,9 +738,44 @@ def _refused_before_the_first_step(keras_make_function):
             message = optimizer_refusal(strategy, self, self.optimizer)
             if message:
                 raise ValueError(message)
+        if per_replica:
+            with _compiling_model_calls(self):
+                return keras_make_function(self, step_function)
         return keras_make_function(self, step_function)
 
     return make_function
+
+
+def _compiles_per_replica(model):
+    """Whether `jit_compile=True` compiles each replica's model call (not Keras' whole step)
+    under the model's strategy (`tfpar.keras.replica_xla`)."""
+    strategy = internals.attr(model, "_distribute_strategy")
+    return bool(model.jit_compile and not model.run_eagerly
+                and hooks_of(strategy)._tfpar_compiles_replicas)
+
+
+def _compiling_model_calls(model):
+    from tfpar.keras import hooks as keras_hooks
+    from tfpar.keras import replica_xla
+
+    keras_hooks.install_model_call_hook()
+    return replica_xla.building_plain_step(model)
+
+
+def _predict_compiled_per_replica(keras_make_predict_function):
+    """TensorFlowTrainer.make_predict_function: with jit_compile=True Keras compiles each
+    replica's whole predict step, whose reads of a variable held on another device (ZeRO-3)
+    XLA cannot make; under a strategy that compiles per replica, the model's call is compiled
+    as in fit and evaluate (its variables read outside XLA)."""
+
+    @functools.wraps(keras_make_predict_function)
+    def make_predict_function(self, force=False):
+        if _compiles_per_replica(self):
+            with _compiling_model_calls(self):
+                return keras_make_predict_function(self, force=force)
+        return keras_make_predict_function(self, force=force)
+
+    return make_predict_function
 
 
 # Optimizers whose update looks at a whole variable (LAMB's trust ratio, Muon's
@@ -822,6 +858,7 @@ def patches():
     return before_activity_means + [
         (trainer, "_maybe_symbolic_build", _build_from_one_replica),
         (trainer, "_make_function", _refused_before_the_first_step),
+        (trainer, "make_predict_function", _predict_compiled_per_replica),
         (loss_module, "reduce_weighted_values", _global_mean),
         (loss_module, "unscale_loss_for_distribution", _summed_over_replicas),
         (loss_module, "scale_loss_for_distribution", _part_of_additional_losses),

@@ -29,7 +29,6 @@ from tfpar.keras import local_steps
 from tfpar.keras import models as keras_models
 from tfpar.keras import tf_runtime
 from tfpar.keras import zero_optimizers as keras_sharded
-from tfpar.keras.replicas import xla_refusal
 from tfpar.plan import memory as plan_memory
 from tfpar.plan import sharding
 from tfpar.plan.communication import (COMMUNICATIONS, PACKING,
@@ -245,10 +244,20 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         """
         return self._dp_cluster_resolver
 
+    @property
+    def _tfpar_compiles_replicas(self):
+        # jit_compile=True: each replica's model call compiled by XLA on its device
+        # (`tfpar.keras.replica_xla`); the reductions stay outside it.
+        return self.context_parallel == 1
+
     def _tfpar_xla_refusal(self, model):
         # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
-        return xla_refusal(model, "DataParallelStrategy", "its replicas run",
-                           self.num_replicas_in_sync)
+        if self.context_parallel > 1:
+            return (f"DataParallelStrategy(context_parallel={self.context_parallel}) cannot "
+                    f"train {model.name!r} with jit_compile=True: its attention exchanges "
+                    f"keys and values across devices inside the model's call, which XLA "
+                    f"cannot compile on CPUs. Compile with jit_compile=False.")
+        return None
 
     def _tfpar_memory_config(self, optimizer_slots=2):
         # Read by tfpar.plan.estimate_memory.

@@ -1,0 +1,139 @@
+"""`jit_compile=True` under a strategy whose replicas each run Keras' step: each replica's
+model call (its forward pass, and with it the backward pass) compiled by XLA on the
+replica's device, as a pure function of the variables' values; the reductions across
+replicas, the optimizer's update, the loss and the metrics stay outside the compiled
+program, where TensorFlow's collectives run.
+
+Keras compiles its whole distributed step as one XLA program when `jit_compile=True`
+(`TensorFlowTrainer._make_function`), which XLA cannot place on several devices ("Trying to
+access resource ... located in device CPU:1"; keras#20763 for MirroredStrategy). Keras itself
+compiles `predict` per replica; this does the same for `fit` and `evaluate`:
+
+- the strategy's step function is built by Keras without XLA (`building_plain_step`);
+- the model's outermost call in a replica (`call`) reads every variable outside XLA (a
+  replica's own copy, or ZeRO-3's read from the owner) and passes the values into a
+  `tf.function(jit_compile=True)` that runs the model inside a `keras.StatelessScope`;
+  state the call writes (BatchNorm's moving statistics, dropout's seed) comes back as
+  outputs and is assigned outside, as the layer would have, in replica context;
+- the gradient of the compiled call is XLA's too (TensorFlow compiles the backward function
+  of a must-compile function).
+
+Refused at the first trace with a clear error: call losses (`add_loss`), and layers whose
+call communicates across replicas (synchronized BatchNorm: XLA has no collective on CPUs).
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from tfpar.keras import internals
+from tfpar.keras import models
+from tfpar.keras.replicas import replica_id
+
+_COMPILED = "_tfpar_compiled_per_replica"  # A model's attribute: {key: tf.function}.
+_state = threading.local()  # .inside: a compiled call is being traced (inner models run plain).
+
+
+def building_plain_step(model):
+    """A context in which Keras builds `model`'s step function without XLA, the model's own
+    calls then compiled per replica (`call`)."""
+    return _PlainStep(model)
+
+
+class _PlainStep:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        if not isinstance(getattr(self.model, _COMPILED, None), dict):
+            setattr(self.model, _COMPILED, {})
+        # Keras' own setter (public): read when Keras makes its tf.function.
+        self.model.jit_compile = False
+
+    def __exit__(self, *exc):
+        self.model.jit_compile = True
+        return False
+
+
+def applies(model):
+    """Whether this call of `model` is a replica's outermost call in a compiled step."""
+    return (isinstance(getattr(model, _COMPILED, None), dict) and model.jit_compile
+            and not getattr(_state, "inside", False) and tf.inside_function()
+            and not tf.distribute.in_cross_replica_context())
+
+
+def call(model, model_call, args, kwargs):
+    """`model_call(model, *args, **kwargs)` compiled by XLA on this replica's device, as a
+    function of the variables' values (read here, outside XLA)."""
+    trainable = list(model.trainable_variables)
+    state = list(model.non_trainable_variables)
+    # Reads through the variables themselves: a replica's copy, ZeRO-3's owner read; the
+    # gradient tape sees them as reads of the watched variables.
+    values = [tf.convert_to_tensor(v.value) for v in trainable]
+    state_values = [tf.convert_to_tensor(v.value) for v in state]
+    compiled, changed = _compiled(model, model_call, trainable, state, replica_id())
+    outputs, masks, written, losses = compiled(values, state_values, args, kwargs)
+    # A tensor leaving a tf.function loses the Keras mask riding on it (padding masks, which
+    # the loss and metrics read): put back.
+    for output, mask in zip(tf.nest.flatten(outputs), masks):
+        if mask is not None:
+            models.set_mask(output, mask)
+    if losses:
+        raise ValueError(
+            f"{model.name!r} adds losses in its call (add_loss), which a model compiled per "
+            f"replica with jit_compile=True does not carry out of XLA yet. Compile with "
+            f"jit_compile=False, or compute that loss in compute_loss.")
+    for index, value in zip(changed(), written):
+        state[index].assign(value)
+    return outputs
+
+
+def _compiled(model, model_call, trainable, state, replica):
+    """The compiled call of `model` for one replica (its own tf.function: each replica's
+    trace reads its own device's values), and a function giving the indices of the
+    state variables it writes (known once traced)."""
+    import keras
+
+    functions = getattr(model, _COMPILED)
+    if replica in functions:
+        return functions[replica]
+    written_indices = []
+
+    def pure(values, state_values, args, kwargs):
+        mapping = list(zip(trainable, values)) + list(zip(state, state_values))
+        _state.inside = True
+        try:
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
+                    _without_remat(model):
+                outputs = model_call(model, *args, **kwargs)
+                losses = list(scope.losses)
+            current = [scope.get_current_value(v) for v in state]
+        finally:
+            _state.inside = False
+        written_indices[:] = [i for i, (new, old) in enumerate(zip(current, state_values))
+                              if new is not None and new is not old]
+        masks = [models.mask_of(x) for x in tf.nest.flatten(outputs)]
+        return outputs, masks, [current[i] for i in written_indices], losses
+
+    compiled = tf.function(pure, jit_compile=True, reduce_retracing=True)
+    functions[replica] = (compiled, lambda: list(written_indices))
+    return functions[replica]
+
+
+@contextlib.contextmanager
+def _without_remat(model):
+    """Layers under a RematScope (ZeRO-3's regathering, or the user's) run plain inside the
+    compiled call: their recomputation (`tf.recompute_grad`) differentiates the variables
+    it watches, and a stateless call reads none (its gradients would be None). XLA keeps
+    what its own schedule needs; the values are the same."""
+    saved = [(layer, internals.attr(layer, "_remat_mode"))
+             for layer in internals.attr(model, "_flatten_layers")(include_self=True)]
+    saved = [(layer, mode) for layer, mode in saved if mode is not None]
+    for layer, _ in saved:
+        internals.set_attr(layer, "_remat_mode", None)
+    try:
+        yield
+    finally:
+        for layer, mode in saved:
+            internals.set_attr(layer, "_remat_mode", mode)
