@@ -91,6 +91,7 @@ SEAM_MARKS = {
     "_tfpar_ps_steps": "a model: its parameter-server step functions, by compiled state",
     "_tfpar_regathered": "a layer: gathers its weights again for its backward pass (ZeRO-3)",
     "_tfpar_distribution": "a mesh variable: the keras.distribution it was made under",
+    "_tfpar_compiled_per_replica": "a model: its XLA-compiled call per replica (jit_compile)",
 }
 
 
