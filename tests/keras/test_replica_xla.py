@@ -46,6 +46,38 @@ def test_each_replica_compiles_its_model_call(shard):
         _fit(strategy, layers, jit_compile=True)  # ... and its call is compiled with it.
 
 
+def _calls_in_step_graphs():
+    """(function name, device, must compile) of every function call in the live graphs of
+    Keras' one-step functions."""
+    import gc
+
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    calls = []
+    for graph in [o for o in gc.get_objects() if isinstance(o, FuncGraph)]:
+        if not graph.name.startswith("one_step_on_data"):
+            continue
+        for op in graph.get_operations():
+            if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+                try:
+                    xla = op.get_attr("_XlaMustCompile")
+                except ValueError:
+                    xla = False
+                calls.append((op.get_attr("f").name, op.device, xla))
+    return calls
+
+
+def test_forward_and_backward_are_compiled_on_each_replica_device():
+    strategy = tfpar.DataParallelStrategy(cpus(2))
+    model = _fit(strategy, lambda: [keras.layers.Dense(8), keras.layers.Dense(3)], True)
+    compiled = [(name, device) for name, device, xla in _calls_in_step_graphs() if xla]
+    del model
+    for kind in ("__forward_pure", "__backward_pure"):
+        devices = {tf.DeviceSpec.from_string(d).device_index
+                   for name, d in compiled if kind in name}
+        assert devices == {0, 1}, (kind, compiled)  # (Other tests' graphs may be alive.)
+
+
 def test_each_replica_traces_its_own_compiled_call_once_per_mode():
     strategy = tfpar.DataParallelStrategy(cpus(2))
     model = _fit(strategy, lambda: [keras.layers.Dense(8), keras.layers.Dense(3)], True,
