@@ -18,7 +18,8 @@ import multi_worker_common as common  # noqa: E402
 
 def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=common.EXAMPLES,
          optimizer="sgd", own_dirs=False, compression=None, sync_every=1,
-         communication="auto", global_batch=common.GLOBAL_BATCH, shard=None):
+         communication="auto", global_batch=common.GLOBAL_BATCH, shard=None,
+         jit_compile=False):
     import keras
     import tensorflow as tf
 
@@ -36,7 +37,8 @@ def main(out, epochs, model_dir=None, crash_at=None, timeout=None, examples=comm
     x, y = common.data(examples)
     with strategy.scope():
         model = common.model()
-        model.compile(common.optimizer(optimizer), common.loss(), metrics=["accuracy"])
+        model.compile(common.optimizer(optimizer), common.loss(), metrics=["accuracy"],
+                      jit_compile=jit_compile)
     callbacks = [common.SlowDown()]
     if model_dir:
         callbacks.append(keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")))
@@ -83,4 +85,4 @@ if __name__ == "__main__":
          int(args.get("examples", common.EXAMPLES)), args.get("optimizer", "sgd"),
          args.get("own_dirs") == "1", args.get("compression"), int(args.get("sync_every", 1)),
          args.get("communication", "auto"), int(args.get("global_batch", common.GLOBAL_BATCH)),
-         args.get("shard"))
+         args.get("shard"), args.get("jit_compile") == "1")

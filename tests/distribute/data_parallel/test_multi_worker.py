@@ -37,11 +37,11 @@ def cluster():
 
 
 def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
-                            global_batch=common.GLOBAL_BATCH):
+                            global_batch=common.GLOBAL_BATCH, jit_compile=False):
     x, y = common.data(examples)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         model = common.model()
-        model.compile(common.optimizer(optimizer), common.loss())
+        model.compile(common.optimizer(optimizer), common.loss(), jit_compile=jit_compile)
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch),
               epochs=epochs, verbose=0)
     return model.get_weights()
@@ -60,23 +60,28 @@ def _single_process_weights(epochs, examples, optimizer="sgd", strategy=None,
 # (`tfpar launch --hosts=2`: a network namespace and an address each, a virtual link
 # between them), so their collectives cross a network interface: 4 workers summing
 # hierarchically (within each host, then one slice per worker across the hosts), and
-# ZeRO-3.
+# ZeRO-3. And jit_compile=True with ZeRO-3: each worker's model call compiled by XLA, every
+# variable read from its owner worker (a broadcast) before the compiled call, the
+# gradients sent back to the owners outside it.
 @pytest.mark.parametrize("workers, examples, compression, sync_every, communication, shard, "
-                         "optimizer, hosts", [
-                             (4, 128, None, 1, "hierarchical", None, "sgd", 2),
-                             (3, 136, None, 1, "halving_doubling", None, "sgd", 1),
-                             (2, 128, "fp16", 1, "auto", None, "sgd", 1),
-                             (2, 128, "bf16", 1, "auto", "optimizer", "sgd", 1),
-                             (2, 128, None, 3, "auto", None, "sgd", 1),
-                             (2, 128, None, 1, "auto", "parameters", "adamw_clip_ema", 2)])
+                         "optimizer, hosts, jit_compile", [
+                             (4, 128, None, 1, "hierarchical", None, "sgd", 2, False),
+                             (3, 136, None, 1, "halving_doubling", None, "sgd", 1, False),
+                             (2, 128, "fp16", 1, "auto", None, "sgd", 1, False),
+                             (2, 128, "bf16", 1, "auto", "optimizer", "sgd", 1, False),
+                             (2, 128, None, 3, "auto", None, "sgd", 1, False),
+                             (2, 128, None, 1, "auto", "parameters", "adamw_clip_ema", 2, False),
+                             (2, 128, None, 1, "auto", "parameters", "adam", 1, True)])
 def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, compression,
-                                        sync_every, communication, shard, optimizer, hosts):
+                                        sync_every, communication, shard, optimizer, hosts,
+                                        jit_compile):
     batch = 24 if workers == 3 else common.GLOBAL_BATCH
     args = ([FIT_WORKER, f"--out={tmp_path}", "--epochs=2", f"--examples={examples}",
              f"--sync_every={sync_every}", f"--communication={communication}",
              f"--global_batch={batch}", f"--optimizer={optimizer}"]
             + ([f"--compression={compression}"] if compression else [])
-            + ([f"--shard={shard}"] if shard else []))
+            + ([f"--shard={shard}"] if shard else [])
+            + (["--jit_compile=1"] if jit_compile else []))
     if hosts > 1:
         code, output = run_in_own_session(
             [sys.executable, "-m", "tfpar.cli.launch", f"--hosts={hosts}",
@@ -112,7 +117,8 @@ def test_workers_fit_equals_one_process(cluster, tmp_path, workers, examples, co
     for other in weights[1:]:
         for w0, w1 in zip(weights[0], other):
             np.testing.assert_array_equal(w0, w1)
-    want = _single_process_weights(2, examples, optimizer, global_batch=batch)
+    want = _single_process_weights(2, examples, optimizer, global_batch=batch,
+                                   jit_compile=jit_compile)
     if sync_every > 1:
         summed = want  # Plain data parallelism's: the averaging is another rule.
         want = _single_process_weights(2, examples, strategy=tfpar.DataParallelStrategy(
