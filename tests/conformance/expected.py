@@ -136,7 +136,8 @@ RECIPE_COLUMNS = ("dp2", "zero3", "pipe_r2k2", harness.PIPE_TP)
 # replicas each run Keras' step; refused where a replica's model spans devices (pipelines,
 # model parallelism) or is laid out by DTensor (the mesh).
 JIT_FEATURES = ["jit_compile", "jit_compile_batchnorm", "jit_compile_dropout",
-                "jit_compile_add_loss", "jit_compile_recipe"]
+                "jit_compile_add_loss", "jit_compile_batchnorm_synchronized",
+                "jit_compile_recipe"]
 JIT_COLUMNS = ("dp2", "dp4", "zero1", "zero2", "zero3", "dp2_bf16", "dp2_local", "dp3_hd")
 # (Each cell costs 5-14 s, mostly tracing: the other columns run the rows whose code they
 # change: ZeRO-1's update for the overflow, pipeline x ZeRO-3's owners for AdamW, 1F1B's
@@ -256,7 +257,8 @@ def _expected():
             cells[f, s] = (EQUAL if s in JIT_COLUMNS else
                            "error:ValueError:with jit_compile=True")
         if s in JIT_COLUMNS:
-            cells["jit_compile_add_loss", s] = "error:ValueError:adds losses in its call"
+            cells["jit_compile_batchnorm_synchronized", s] = (
+                "error:ValueError:whose call sums statistics across replicas")
     cells["dropout_seeded", "pipe_r2k2"] = MICRO_REPLICA_DROPOUT
     for s in ("gpipe", "1f1b"):
         cells["batchnorm", s] = PER_MICRO_BN

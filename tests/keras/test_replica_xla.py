@@ -104,3 +104,13 @@ def test_state_written_in_the_compiled_call_reaches_the_variables():
     want = [v for v in plain.non_trainable_variables if "moving_mean" in v.path][0]
     # (XLA's rounding differs: 6e-5 of 4e-3 measured after 4 Adam steps.)
     np.testing.assert_allclose(mean.numpy(), want.numpy(), atol=3e-4)
+
+
+def test_synchronized_batchnorm_is_refused_before_the_first_step():
+    strategy = tfpar.DataParallelStrategy(cpus(2))
+    layers = lambda: [keras.layers.Dense(8),  # noqa
+                      keras.layers.BatchNormalization(synchronized=True, name="sync_bn"),
+                      keras.layers.Dense(3)]
+    with pytest.raises(ValueError, match=r"\['sync_bn'\].*synchronized=True.*"
+                                         r"jit_compile=False"):
+        _fit(strategy, layers, True)

@@ -18,8 +18,10 @@ compiles `predict` per replica; this does the same for `fit` and `evaluate`:
 - the gradient of the compiled call is XLA's too (TensorFlow compiles the backward function
   of a must-compile function).
 
-Refused at the first trace with a clear error: call losses (`add_loss`), and layers whose
-call communicates across replicas (synchronized BatchNorm: XLA has no collective on CPUs).
+The call's losses (`add_loss`) leave XLA as outputs and are added to the model outside it.
+Refused at the first trace with a clear error: layers whose call communicates across
+replicas (synchronized BatchNorm: a collective inside XLA, which TensorFlow's distribution
+cannot enter).
 """
 
 import contextlib
@@ -66,6 +68,7 @@ def applies(model):
 def call(model, model_call, args, kwargs):
     """`model_call(model, *args, **kwargs)` compiled by XLA on this replica's device, as a
     function of the variables' values (read here, outside XLA)."""
+    _refuse_communicating_layers(model)
     trainable = list(model.trainable_variables)
     state = list(model.non_trainable_variables)
     # Reads through the variables themselves: a replica's copy, ZeRO-3's owner read; the
@@ -79,11 +82,11 @@ def call(model, model_call, args, kwargs):
     for output, mask in zip(tf.nest.flatten(outputs), masks):
         if mask is not None:
             models.set_mask(output, mask)
-    if losses:
-        raise ValueError(
-            f"{model.name!r} adds losses in its call (add_loss), which a model compiled per "
-            f"replica with jit_compile=True does not carry out of XLA yet. Compile with "
-            f"jit_compile=False, or compute that loss in compute_loss.")
+    # The call's losses (add_loss) leave XLA as outputs and become the model's, as an
+    # outermost call leaves them (its earlier ones cleared first).
+    internals.attr(model, "_clear_losses")()
+    for loss in losses:
+        model.add_loss(loss)
     for index, value in zip(changed(), written):
         state[index].assign(value)
     return outputs
@@ -137,3 +140,18 @@ def _without_remat(model):
     finally:
         for layer, mode in saved:
             internals.set_attr(layer, "_remat_mode", mode)
+
+
+def _refuse_communicating_layers(model):
+    import keras
+
+    synchronized = [layer.name for layer in internals.attr(model, "_flatten_layers")()
+                    if isinstance(layer, keras.layers.BatchNormalization)
+                    and getattr(layer, "synchronized", False)]
+    if synchronized:
+        raise ValueError(
+            f"{model.name!r} cannot be trained with jit_compile=True under a strategy: its "
+            f"layers {synchronized} are BatchNormalization(synchronized=True), whose call sums "
+            f"statistics across replicas, a collective that cannot run inside the replica's "
+            f"compiled call. Compile with jit_compile=False, or use synchronized=False (each "
+            f"replica's own statistics).")
