@@ -303,3 +303,19 @@ def check_routed_all_reduce(ops, n, devices=None):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
             np.testing.assert_array_equal(got.numpy(), result[0].numpy())  # Bitwise alike.
     return reduce.get_concrete_function(values).graph
+
+
+def graph_operations(graph):
+    """Every operation of a traced `graph` and of the functions it calls (loop bodies and
+    conditions, branches, nested tf.functions), recursively."""
+    found = list(graph.get_operations())
+    for op in graph.get_operations():
+        for attribute in ("body", "cond", "then_branch", "else_branch", "f"):
+            try:
+                name = op.get_attr(attribute).name
+            except (ValueError, AttributeError):
+                continue
+            function = graph._get_function(name)
+            if function is not None and getattr(function, "graph", None) is not None:
+                found += graph_operations(function.graph)
+    return found

@@ -8,6 +8,8 @@ import tensorflow as tf
 
 from tfpar.distribute.context import blockwise_attention
 
+from conftest import graph_operations as operations
+
 SCALE = 0.5
 
 
@@ -66,8 +68,9 @@ def test_equal_to_keras_softmax_attention_and_its_gradients(masked_rows, masked,
 
 def test_the_traced_step_keeps_no_whole_score_matrix():
     """Traced forward and backward: every score-shaped tensor ([batch, heads, queries, x])
-    is one block of keys wide (4 of the 11 keys, the last 3) or the values' depth (5),
-    never all 11."""
+    is one block of keys wide (4: the last block's 3 keys padded) or the values' depth (5),
+    never all 11; each block is an iteration of a loop (the step's size does not grow with
+    the keys)."""
     q, k, v, upstream, mask = _inputs()
 
     @tf.function
@@ -77,11 +80,13 @@ def test_the_traced_step_keeps_no_whole_score_matrix():
             q, k, v, upstream)
 
     graph = step.get_concrete_function(q, k, v).graph
-    widths = {op.outputs[0].shape[-1] for op in graph.get_operations()
+    widths = {op.outputs[0].shape[-1] for op in operations(graph)
               if op.type in ("Exp", "Einsum", "Mul") and op.outputs
               and op.outputs[0].shape.rank == 4 and op.outputs[0].shape[1] == 3
               and op.outputs[0].shape[2] == 6}  # [batch, heads, queries, keys]
-    assert widths == {4, 3, 5}, widths
+    assert widths == {4, 5}, widths
+    loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert len(loops) == 2  # Forward and backward.
 
 
 def test_bad_arguments_are_refused_clearly():
@@ -100,7 +105,8 @@ def test_a_mask_made_by_blocks_gives_what_the_whole_mask_gives(masked_rows):
     by_blocks = _value_and_gradients(
         lambda *t: blockwise_attention.attention(
             *t, scale=SCALE, block=4, masked_rows=masked_rows,
-            keep=lambda start, end: made.append((start, end)) or mask[..., start:end]),
+            keep=lambda start, end: made.append((int(start), int(end)))
+            or mask[..., start:end]),
         q, k, v, upstream)
     for g, w in zip(by_blocks, whole):
         np.testing.assert_array_equal(g.numpy(), w.numpy())
