@@ -166,6 +166,15 @@ def run_async(strategy, result):
         small.fit(train.repeat(), epochs=1, verbose=0)
     except ValueError as error:
         result["infinite_error"] = str(error)
+    with strategy.scope():
+        small.compile(keras.optimizers.SGD(0.0),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=True)
+    try:
+        small.fit(dataset_fn, steps_per_epoch=2, verbose=0)
+        result["jit_compile"] = "ran"
+    except ValueError as error:
+        result["jit_compile"] = str(error)
 
 
 def _user_errors(strategy, result, tries=5):

@@ -60,6 +60,13 @@ def patches():
 
 
 def _run_loop(name, model, *args, **kwargs):
+    if getattr(model, "jit_compile", False) is True:
+        # (The workers' steps are tfpar's own functions: it would be silently dropped.)
+        raise ValueError(
+            f"tfpar.ParameterServerStrategy cannot run {name} of {model.name!r} with "
+            f"jit_compile=True yet: each worker's step reads its variables from the ps "
+            f"tasks, and tfpar does not compile the model's call apart from those reads "
+            f"here (as DataParallelStrategy does). Compile with jit_compile=False.")
     return hooks_of(model.distribute_strategy)._tfpar_run_loop(name, model, *args, **kwargs)
 
 

@@ -128,6 +128,9 @@ def test_on_batch_calls_and_arguments_that_would_be_dropped_fail_clearly(async_r
     assert "test_on_batch runs one step on the chief" in result["test_on_batch"]
     assert "predict_on_batch runs one step on the chief" in result["predict_on_batch"]
     assert "y cannot be passed with a dataset function" in result["dataset_fn_with_y"]
+    # (Before: the workers' steps were traced without XLA, jit_compile=True silently dropped.)
+    assert re.search(r"cannot run fit of .* with jit_compile=True.*jit_compile=False",
+                     result["jit_compile"]), result["jit_compile"]
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ in TensorFlow ops): what lets a context-parallel replica attend its L/C queries 
 sequence's L keys without keeping the L/C x L scores.
 
 The forward pass walks the keys in blocks with an online softmax (a running maximum,
-denominator and weighted sum per query) and keeps only the output and each query's
-log-sum-exp; the backward pass recomputes each block's probabilities from those. A replica's
+denominator and weighted sum per query) and keeps only the output and each query's maximum
+and denominator; the backward pass recomputes each block's probabilities from those. The
+blocks are the iterations of a loop, one at a time. A replica's
 attention then holds its queries, the gathered keys and values, the mask, and one block of
 scores at a time (scores O(L/C x block) per head, not O(L/C x L)).
 
