@@ -114,3 +114,30 @@ def test_synchronized_batchnorm_is_refused_before_the_first_step():
     with pytest.raises(ValueError, match=r"\['sync_bn'\].*synchronized=True.*"
                                          r"jit_compile=False"):
         _fit(strategy, layers, True)
+
+
+@pytest.mark.parametrize("shard", [None, "parameters"])
+@pytest.mark.parametrize("option", ["steps_per_execution", "gradient_accumulation_steps"])
+def test_steps_per_execution_and_accumulation_equal_one_device_compiled(option, shard):
+    """Keras' loop of steps in one function, and accumulation (tfpar's outside Keras' cond),
+    around the compiled calls: equal to one device with jit_compile=True."""
+    x, y = _data()
+
+    def fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(3)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, "tanh"),
+                                      keras.layers.Dense(3)])
+            optimizer = keras.optimizers.Adam(
+                0.01, gradient_accumulation_steps=2 if option != "steps_per_execution"
+                else None)
+            model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True), jit_compile=True,
+                steps_per_execution=2 if option == "steps_per_execution" else 1)
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    want = fit(tf.distribute.get_strategy())
+    got = fit(tfpar.DataParallelStrategy(cpus(2), shard=shard))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-6)
