@@ -62,9 +62,10 @@ class StrategyHooks:
     _tfpar_train_step = None
     # (model) -> an error message, or None: refuse `jit_compile=True` before a step.
     _tfpar_xla_refusal = None
-    # jit_compile=True compiles each replica's model call, not the whole step
-    # (`tfpar.keras.replica_xla`).
-    _tfpar_compiles_replicas = False
+    # jit_compile=True compiles, instead of Keras' whole step (`tfpar.keras.replica_xla`),
+    # each replica's model call ("replica") or each placed layer's call ("layer"); None:
+    # Keras' own (refused by `_tfpar_xla_refusal` where it cannot run).
+    _tfpar_xla_unit = None
     # (model, step_function) -> an error message, or None: refuse a step before it is built.
     _tfpar_step_refusal = None
     # (optimizer, grads, variables, learning_rate, ...) -> None: ZeRO's sharded update.

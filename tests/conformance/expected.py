@@ -59,7 +59,7 @@ ZERO3_FEATURES = ZERO2_FEATURES + [
 MP_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "masked_rnn_per_timestep",
                "partial_last_batch", "batchnorm", "frozen_layer", "subclassed_model",
                "multi_input_output", "gradient_accumulation", "mixed_float16",
-               "save_keras_load", "jit_compile"] + CUSTOM_LOOP_FEATURES
+               "save_keras_load", "jit_compile", "jit_compile_batchnorm"] + CUSTOM_LOOP_FEATURES
 # Features run under the zero-bubble schedule (1F1B's code, the backward split in two):
 # those whose gradients or losses a split backward could change.
 SPLIT_BACKWARD_FEATURES = ["loss_sum", "sample_weight", "activity_regularizer",
@@ -133,12 +133,12 @@ RECIPE_FEATURES = ["clip_global_norm_one_replica", "clip_norm_one_replica",
                    "attention_recipe", "attention_custom_loop", "jit_compile_recipe"]
 RECIPE_COLUMNS = ("dp2", "zero3", "pipe_r2k2", harness.PIPE_TP)
 # jit_compile=True: each replica's model call compiled by XLA (tfpar.keras.replica_xla) where
-# replicas each run Keras' step; refused where a replica's model spans devices (pipelines,
-# model parallelism) or is laid out by DTensor (the mesh).
+# replicas each run Keras' step, each placed layer's call under model parallelism; refused
+# by pipelines (their own step) and the mesh (DTensor).
 JIT_FEATURES = ["jit_compile", "jit_compile_batchnorm", "jit_compile_dropout",
                 "jit_compile_add_loss", "jit_compile_batchnorm_synchronized",
                 "jit_compile_recipe"]
-JIT_COLUMNS = ("dp2", "dp4", "zero1", "zero2", "zero3", "dp2_bf16", "dp2_local", "dp3_hd")
+JIT_COLUMNS = ("dp2", "dp4", "zero1", "zero2", "zero3", "dp2_bf16", "dp2_local", "dp3_hd", "mp")
 # (Each cell costs 5-14 s, mostly tracing: the other columns run the rows whose code they
 # change: ZeRO-1's update for the overflow, pipeline x ZeRO-3's owners for AdamW, 1F1B's
 # micro-batches for the masks.)

@@ -37,13 +37,31 @@ def _fit(strategy, layers, jit_compile, **fit):
     return model
 
 
-@pytest.mark.parametrize("shard", [None, "parameters"])
-def test_each_replica_compiles_its_model_call(shard):
-    strategy = tfpar.DataParallelStrategy(cpus(2), shard=shard)
+@pytest.mark.parametrize("make", [
+    lambda: tfpar.DataParallelStrategy(cpus(2)),
+    lambda: tfpar.DataParallelStrategy(cpus(2), shard="parameters"),
+    lambda: tfpar.ModelParallelStrategy(cpus(2)),
+], ids=["data", "zero3", "model"])
+def test_each_replica_or_placed_layer_compiles_its_call(make):
     layers = lambda: [keras.layers.Dense(8), NotCompilable(), keras.layers.Dense(3)]  # noqa
-    _fit(strategy, layers, jit_compile=False)  # Trains without XLA...
+    _fit(make(), layers, jit_compile=False)  # Trains without XLA...
     with pytest.raises(tf.errors.InvalidArgumentError, match="XLA|compil"):
-        _fit(strategy, layers, jit_compile=True)  # ... and its call is compiled with it.
+        _fit(make(), layers, jit_compile=True)  # ... and its call is compiled with it.
+
+
+def test_model_parallelism_compiles_each_layer_on_its_device():
+    strategy = tfpar.ModelParallelStrategy(cpus(2))
+    model = _fit(strategy, lambda: [keras.layers.Dense(8, name="first"),
+                                    keras.layers.Dense(3, name="last")], True)
+    # Each layer has its compiled call (run by placed_call under its device) and the two
+    # layers live on the two devices; the model as a whole has none.
+    for layer in model.layers:
+        assert list(layer._tfpar_compiled_per_replica) == ["layer"]
+        assert layer._tfpar_compiled_per_replica["layer"][0].experimental_get_tracing_count()
+    assert model._tfpar_compiled_per_replica == {}
+    devices = {tf.DeviceSpec.from_string(v.value.device).device_index
+               for v in model.trainable_variables}
+    assert devices == {0, 1}
 
 
 def _calls_in_step_graphs():

@@ -29,6 +29,7 @@ import threading
 
 import tensorflow as tf
 
+from tfpar.contract import hooks_of
 from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras.replicas import replica_id
@@ -49,7 +50,7 @@ class _PlainStep:
 
     def __enter__(self):
         if not isinstance(getattr(self.model, _COMPILED, None), dict):
-            setattr(self.model, _COMPILED, {})
+            object.__setattr__(self.model, _COMPILED, {})  # (Not tracked by Keras.)
         # Keras' own setter (public): read when Keras makes its tf.function.
         self.model.jit_compile = False
 
@@ -67,40 +68,72 @@ def applies(model):
 
 def call(model, model_call, args, kwargs):
     """`model_call(model, *args, **kwargs)` compiled by XLA on this replica's device, as a
-    function of the variables' values (read here, outside XLA)."""
+    function of the variables' values (read here, outside XLA). Under a strategy whose
+    replica spans devices (`_tfpar_xla_unit == "layer"`: model parallelism), the model runs
+    as it is and each placed layer's call is compiled on its device (`layer_call`)."""
     _refuse_communicating_layers(model)
-    trainable = list(model.trainable_variables)
-    state = list(model.non_trainable_variables)
+    strategy = internals.attr(model, "_distribute_strategy")
+    if hooks_of(strategy)._tfpar_xla_unit == "layer":
+        previous = getattr(_state, "layers", False)
+        _state.layers = True
+        try:
+            return model_call(model, *args, **kwargs)
+        finally:
+            _state.layers = previous
+    return _run_compiled(model, lambda *a, **k: model_call(model, *a, **k), args, kwargs,
+                         replica_id())
+
+
+def compiling_layers():
+    """Whether placed layers' calls are compiled one by one (`layer_call`) here."""
+    return getattr(_state, "layers", False) and not getattr(_state, "inside", False)
+
+
+def layer_call(layer, call, args, kwargs):
+    """`call(*args, **kwargs)`, a placed layer's own call, compiled by XLA where it runs, as
+    a function of the layer's variables' values (read outside XLA)."""
+    return _run_compiled(layer, call, args, kwargs, "layer")
+
+
+def _run_compiled(owner, fn, args, kwargs, key):
+    """`fn(*args, **kwargs)` (the call of Keras layer or model `owner`) through its compiled
+    function for `key` (a replica's index, or "layer"): the variables' values read here,
+    the state it writes assigned back, its masks and call losses carried out."""
+    trainable = list(owner.trainable_variables)
+    state = list(owner.non_trainable_variables)
     # Reads through the variables themselves: a replica's copy, ZeRO-3's owner read; the
     # gradient tape sees them as reads of the watched variables.
     values = [tf.convert_to_tensor(v.value) for v in trainable]
     state_values = [tf.convert_to_tensor(v.value) for v in state]
-    compiled, changed = _compiled(model, model_call, trainable, state, replica_id())
+    compiled, changed = _compiled(owner, fn, trainable, state, key)
     outputs, masks, written, losses = compiled(values, state_values, args, kwargs)
     # A tensor leaving a tf.function loses the Keras mask riding on it (padding masks, which
     # the loss and metrics read): put back.
     for output, mask in zip(tf.nest.flatten(outputs), masks):
         if mask is not None:
             models.set_mask(output, mask)
-    # The call's losses (add_loss) leave XLA as outputs and become the model's, as an
+    # The call's losses (add_loss) leave XLA as outputs and become the owner's, as an
     # outermost call leaves them (its earlier ones cleared first).
-    internals.attr(model, "_clear_losses")()
+    internals.attr(owner, "_clear_losses")()
     for loss in losses:
-        model.add_loss(loss)
+        owner.add_loss(loss)
     for index, value in zip(changed(), written):
         state[index].assign(value)
     return outputs
 
 
-def _compiled(model, model_call, trainable, state, replica):
-    """The compiled call of `model` for one replica (its own tf.function: each replica's
+def _compiled(owner, fn, trainable, state, key):
+    """The compiled call of `owner` for `key` (a replica's own tf.function: each replica's
     trace reads its own device's values), and a function giving the indices of the
     state variables it writes (known once traced)."""
     import keras
 
-    functions = getattr(model, _COMPILED)
-    if replica in functions:
-        return functions[replica]
+    functions = getattr(owner, _COMPILED, None)
+    if not isinstance(functions, dict):
+        functions = {}
+        object.__setattr__(owner, _COMPILED, functions)  # (Not tracked by Keras.)
+    if key in functions:
+        return functions[key]
     written_indices = []
 
     def pure(values, state_values, args, kwargs):
@@ -108,8 +141,8 @@ def _compiled(model, model_call, trainable, state, replica):
         _state.inside = True
         try:
             with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope, \
-                    _without_remat(model):
-                outputs = model_call(model, *args, **kwargs)
+                    _without_remat(owner):
+                outputs = fn(*args, **kwargs)
                 losses = list(scope.losses)
             current = [scope.get_current_value(v) for v in state]
         finally:
@@ -120,8 +153,8 @@ def _compiled(model, model_call, trainable, state, replica):
         return outputs, masks, [current[i] for i in written_indices], losses
 
     compiled = tf.function(pure, jit_compile=True, reduce_retracing=True)
-    functions[replica] = (compiled, lambda: list(written_indices))
-    return functions[replica]
+    functions[key] = (compiled, lambda: list(written_indices))
+    return functions[key]
 
 
 @contextlib.contextmanager

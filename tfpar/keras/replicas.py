@@ -751,7 +751,7 @@ def _compiles_per_replica(model):
     under the model's strategy (`tfpar.keras.replica_xla`)."""
     strategy = internals.attr(model, "_distribute_strategy")
     return bool(model.jit_compile and not model.run_eagerly
-                and hooks_of(strategy)._tfpar_compiles_replicas)
+                and hooks_of(strategy)._tfpar_xla_unit)
 
 
 def _compiling_model_calls(model):

@@ -245,10 +245,10 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
         return self._dp_cluster_resolver
 
     @property
-    def _tfpar_compiles_replicas(self):
+    def _tfpar_xla_unit(self):
         # jit_compile=True: each replica's model call compiled by XLA on its device
         # (`tfpar.keras.replica_xla`); the reductions stay outside it.
-        return self.context_parallel == 1
+        return "replica" if self.context_parallel == 1 else None
 
     def _tfpar_xla_refusal(self, model):
         # Asked by the Keras seam before Keras compiles a step with jit_compile=True.

@@ -79,7 +79,7 @@ from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
-from tfpar.keras.replicas import xla_refusal
+from tfpar.keras import replica_xla
 from tfpar.plan import placement as plan
 
 _DEFAULT_SLOTS = 2  # Adam's, when nothing says which optimizer will train the model.
@@ -162,9 +162,9 @@ class ModelParallelStrategy(PlacingStrategy, tf.distribute.OneDeviceStrategy):
         return (f"ModelParallelStrategy(devices={list(self._display.values())}, "
                 f"placement={placement!r})")
 
-    def _tfpar_xla_refusal(self, model):
-        # Asked by the Keras seam before Keras compiles a step with jit_compile=True.
-        return xla_refusal(model, "ModelParallelStrategy", "its layers run", len(self.devices))
+    # jit_compile=True: each placed layer's call compiled by XLA on its device
+    # (`tfpar.keras.replica_xla`), the transfers between devices outside XLA.
+    _tfpar_xla_unit = "layer"
 
     @property
     def devices(self):
@@ -433,8 +433,13 @@ def _wrap_call(layer, device):
 
 
 def _placed_layer_call(layer, *args, **kwargs):
-    return placement_lib.placed_call(layer._tfpar_original_call, layer._tfpar_device,
-                                     *args, **kwargs)
+    call = layer._tfpar_original_call
+    if replica_xla.compiling_layers():  # jit_compile=True: the layer compiled where it runs.
+        original = call
+
+        def call(*args, **kwargs):
+            return replica_xla.layer_call(layer, original, args, kwargs)
+    return placement_lib.placed_call(call, layer._tfpar_device, *args, **kwargs)
 
 
 def _layer_costs(layers, slots, batch_size, timing_device=None):
