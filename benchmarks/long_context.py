@@ -7,7 +7,7 @@ against one process (C = 1), and the step time at each length.
 Each (C, length) is a job of `tfpar launch --workers=C --memory_cap=CAP` (one CPU device per
 worker, each worker in a memory cgroup of its own: the kernel kills one over the cap): a
 keras-hub `LlamaBackbone` (hidden 64, 2 blocks, 4 query and 2 key/value heads, vocabulary 256)
-with a Dense head, SGD, batch 1, one traced step and 2 timed steps. For each C, lengths are
+with a Dense head, SGD, batch 1, one traced step and `--steps` timed steps (2). For each C, lengths are
 tried in increasing order until one fails; the longest that trained is reported with each
 worker's TensorFlow allocator peak and resident peak, and the bytes each worker sent per step
 (its TCP sockets, `ss`, as `hybrid_traffic.py` counts them) against `step_bytes`. Writes
@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 from _common import command_line, write_json  # noqa: E402
 from hybrid_traffic import bytes_by_task  # noqa: E402
 
-HIDDEN, LAYERS, VOCABULARY, STEPS = 64, 2, 256, 2
+HIDDEN, LAYERS, VOCABULARY = 64, 2, 256
 
 
 def task(args):
@@ -63,7 +63,7 @@ def task(args):
         model.compile(keras.optimizers.SGD(0.01),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
-    tokens = rng.integers(1, VOCABULARY, size=(STEPS, args.length)).astype("int32")
+    tokens = rng.integers(1, VOCABULARY, size=(args.steps, args.length)).astype("int32")
     x = {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
     y = np.roll(tokens, -1, axis=1)
     tfpar.reset_memory_peaks()
@@ -71,14 +71,14 @@ def task(args):
     before = bytes_by_task()[0] if index == 0 else {}
     start = time.perf_counter()
     loss = model.fit(x, y, batch_size=1, epochs=1, verbose=0).history["loss"][0]
-    seconds = (time.perf_counter() - start) / STEPS
+    seconds = (time.perf_counter() - start) / args.steps
     after = bytes_by_task()[0] if index == 0 else {}
     memory = tfpar.process_memory()
     with open(os.path.join(args.dir, f"worker-{index}.json"), "w") as f:
         json.dump({"seconds_per_step": seconds, "loss": loss,
                    "allocator_peak": memory.allocator_peak_bytes,
                    "resident_peak": memory.rss_peak_bytes,
-                   "sent_per_step": {task: (sent - before.get(task, [0, 0])[0]) / STEPS
+                   "sent_per_step": {task: (sent - before.get(task, [0, 0])[0]) / args.steps
                                      for task, (sent, _) in after.items()},
                    "parameters": model.count_params()}, f)
     del tf
@@ -98,13 +98,13 @@ def step_bytes(length, context, parameters):
     return 2 * share * 4 * parameters + LAYERS * per_block
 
 
-def trial(context, length, cap, timeout):
+def trial(context, length, cap, timeout, steps=2):
     """Runs one job; returns its figures, or None when a worker failed (over the cap)."""
     with tempfile.TemporaryDirectory() as directory:
         command = [sys.executable, "-m", "tfpar.cli.launch", f"--workers={context}",
                    f"--memory_cap={cap}", f"--timeout={timeout}", "--",
                    sys.executable, os.path.abspath(__file__), "--role=task",
-                   f"--dir={directory}", f"--length={length}"]
+                   f"--dir={directory}", f"--length={length}", f"--steps={steps}"]
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60)
         wall = time.perf_counter() - start
@@ -134,6 +134,8 @@ def main():
     parser.add_argument("--lengths", default="1024,1536,2048,2560,3072,4096,5120,6144,8192",
                         help="tried in order (multiples of 2C) until one fails")
     parser.add_argument("--timeout", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="timed steps after the traced one (1 saves a third at long lengths)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "long_context.json"))
     args = parser.parse_args()
     if args.role == "task":
@@ -143,8 +145,9 @@ def main():
     for context in (int(c) for c in args.contexts.split(",")):
         rows[context] = {}
         for length in (int(n) for n in args.lengths.split(",")):
-            result = trial(context, length, args.cap, args.timeout)
+            result = trial(context, length, args.cap, args.timeout, args.steps)
             rows[context][length] = result
+            _write(args, rows)
             if not result["trained"]:
                 print(f"C={context} length {length}: did not train (exit {result['exit']}"
                       f"{', killed over the cap' if result['killed'] else ''})", flush=True)
@@ -155,18 +158,28 @@ def main():
                   f"peak {max(result['resident_peak']) / mib:.0f} MiB, busiest worker sent "
                   f"{busiest / mib:.2f} MiB/step (formula "
                   f"{result['formula_per_step'] / mib:.2f})", flush=True)
-    longest = {c: max([n for n, r in r_.items() if r["trained"]], default=0)
-               for c, r_ in rows.items()}
+    longest = _write(args, rows, final=True)
     for context, length in longest.items():
         print(f"C={context}: longest sequence trained under {args.cap} per process: {length} "
               f"({length / max(longest[min(longest)], 1):.2f}x C={min(longest)})")
-    write_json(args.out, {"benchmark": "long_context", "command": command_line(
-        "long_context", argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                              if k in ("cap", "contexts", "lengths")})),
-        "model": {"hidden": HIDDEN, "layers": LAYERS, "heads": [4, 2], "batch": 1},
-        "cap": args.cap, "longest": longest,
-        "trials": {str(c): {str(n): r for n, r in r_.items()} for c, r_ in rows.items()}})
 
+
+def _write(args, rows, final=False):
+    """Writes the trials so far (after each one: a stopped run keeps what it measured)."""
+    longest = {c: max([n for n, r in r_.items() if r["trained"]], default=0)
+               for c, r_ in rows.items()}
+    result = {"benchmark": "long_context", "command": command_line(
+        "long_context", argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                              if k in ("cap", "contexts", "lengths", "steps")})),
+        "model": {"hidden": HIDDEN, "layers": LAYERS, "heads": [4, 2], "batch": 1},
+        "cap": args.cap, "longest": longest, "complete": final,
+        "trials": {str(c): {str(n): r for n, r in r_.items()} for c, r_ in rows.items()}}
+    if final:
+        write_json(args.out, result)
+    else:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return longest
 
 if __name__ == "__main__":
     main()

@@ -62,7 +62,7 @@ class StrategyHooks:
     _tfpar_train_step = None
     # (model) -> an error message, or None: refuse `jit_compile=True` before a step.
     _tfpar_xla_refusal = None
-    # jit_compile=True compiles, instead of Keras' whole step (`tfpar.keras.replica_xla`),
+    # jit_compile=True compiles, instead of Keras' whole step (`tfpar.keras.xla_calls`),
     # each replica's model call ("replica") or each placed layer's call ("layer"); None:
     # Keras' own (refused by `_tfpar_xla_refusal` where it cannot run).
     _tfpar_xla_unit = None

@@ -132,7 +132,7 @@ RECIPE_FEATURES = ["clip_global_norm_one_replica", "clip_norm_one_replica",
                    "custom_loop_clip", "masked_dense_sum", "masked_dense_mean",
                    "attention_recipe", "attention_custom_loop", "jit_compile_recipe"]
 RECIPE_COLUMNS = ("dp2", "zero3", "pipe_r2k2", harness.PIPE_TP)
-# jit_compile=True: each replica's model call compiled by XLA (tfpar.keras.replica_xla) where
+# jit_compile=True: each replica's model call compiled by XLA (tfpar.keras.xla_calls) where
 # replicas each run Keras' step, each placed layer's call under model parallelism; refused
 # by pipelines (their own step) and the mesh (DTensor).
 JIT_FEATURES = ["jit_compile", "jit_compile_batchnorm", "jit_compile_dropout",

@@ -66,7 +66,7 @@ def test_jit_compile_is_refused_before_the_first_step(make):
     """XLA compiles Keras' whole step for one device: the run failed deep inside TF
     ("resource located in device CPU:1") or, in a pipeline, XLA was silently dropped.
     (Data parallelism compiles each replica's model call, model parallelism each placed
-    layer's: tests/keras/test_replica_xla.py.)"""
+    layer's: tests/keras/test_xla_calls.py.)"""
     strategy = make()
     x, y = _data("dense")
     with strategy.scope():

@@ -5,6 +5,8 @@
 - `replicas.py`: Keras' loss normalization, BatchNorm statistics, gradient accumulation
   and call losses made exact under replicas; refusals before a step is built;
 - `steps.py`: pieces of Keras' train step that tfpar's own steps share;
+- `xla_calls.py`: `jit_compile=True` under a strategy: each replica's model call (or each
+  placed layer's) compiled by XLA as a stateless call of the variables' values;
 - `models.py`: Keras models, layers and variables as the strategies see them (what is a
   model, the layers a model is placed by, a layer's call shapes, a build from shapes);
 - `pipeline_stages.py`: a functional or Sequential model cut into pipeline stages, each run by

@@ -436,18 +436,18 @@ def install_variable_births():
 
 def install_model_call_hook():
     """Lets a strategy act before each call of a model created under its scope, and runs a
-    replica's call of a model compiled per replica (`tfpar.keras.replica_xla`). Idempotent."""
+    replica's call of a model compiled per replica (`tfpar.keras.xla_calls`). Idempotent."""
     import keras
 
-    from tfpar.keras import replica_xla
+    from tfpar.keras import xla_calls
 
     def wrap(model_call):
         def __call__(self, *args, **kwargs):
             hook = hooks_of(internals.attr(self, "_distribute_strategy"))._tfpar_before_model_call
             if hook is not None:
                 hook(self, args, kwargs)
-            if replica_xla.applies(self):
-                return replica_xla.call(self, model_call, args, kwargs)
+            if xla_calls.applies(self):
+                return xla_calls.call(self, model_call, args, kwargs)
             return model_call(self, *args, **kwargs)
         return __call__
 

@@ -748,7 +748,7 @@ def _refused_before_the_first_step(keras_make_function):
 
 def _compiles_per_replica(model):
     """Whether `jit_compile=True` compiles each replica's model call (not Keras' whole step)
-    under the model's strategy (`tfpar.keras.replica_xla`)."""
+    under the model's strategy (`tfpar.keras.xla_calls`)."""
     strategy = internals.attr(model, "_distribute_strategy")
     return bool(model.jit_compile and not model.run_eagerly
                 and hooks_of(strategy)._tfpar_xla_unit)
@@ -756,10 +756,10 @@ def _compiles_per_replica(model):
 
 def _compiling_model_calls(model):
     from tfpar.keras import hooks as keras_hooks
-    from tfpar.keras import replica_xla
+    from tfpar.keras import xla_calls
 
     keras_hooks.install_model_call_hook()
-    return replica_xla.building_plain_step(model)
+    return xla_calls.building_plain_step(model)
 
 
 def _predict_compiled_per_replica(keras_make_predict_function):

@@ -247,7 +247,7 @@ class DataParallelStrategy(sharded.ZeroHooks, StrategyHooks, tf.distribute.Mirro
     @property
     def _tfpar_xla_unit(self):
         # jit_compile=True: each replica's model call compiled by XLA on its device
-        # (`tfpar.keras.replica_xla`); the reductions stay outside it.
+        # (`tfpar.keras.xla_calls`); the reductions stay outside it.
         return "replica" if self.context_parallel == 1 else None
 
     def _tfpar_xla_refusal(self, model):

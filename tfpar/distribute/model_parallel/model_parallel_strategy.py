@@ -79,7 +79,7 @@ from tfpar.keras import internals
 from tfpar.keras import models
 from tfpar.keras import tf_runtime
 from tfpar.keras import variable_birth
-from tfpar.keras import replica_xla
+from tfpar.keras import xla_calls
 from tfpar.plan import placement as plan
 
 _DEFAULT_SLOTS = 2  # Adam's, when nothing says which optimizer will train the model.
@@ -163,7 +163,7 @@ class ModelParallelStrategy(PlacingStrategy, tf.distribute.OneDeviceStrategy):
                 f"placement={placement!r})")
 
     # jit_compile=True: each placed layer's call compiled by XLA on its device
-    # (`tfpar.keras.replica_xla`), the transfers between devices outside XLA.
+    # (`tfpar.keras.xla_calls`), the transfers between devices outside XLA.
     _tfpar_xla_unit = "layer"
 
     @property
@@ -434,11 +434,11 @@ def _wrap_call(layer, device):
 
 def _placed_layer_call(layer, *args, **kwargs):
     call = layer._tfpar_original_call
-    if replica_xla.compiling_layers():  # jit_compile=True: the layer compiled where it runs.
+    if xla_calls.compiling_layers():  # jit_compile=True: the layer compiled where it runs.
         original = call
 
         def call(*args, **kwargs):
-            return replica_xla.layer_call(layer, original, args, kwargs)
+            return xla_calls.layer_call(layer, original, args, kwargs)
     return placement_lib.placed_call(call, layer._tfpar_device, *args, **kwargs)
 
 

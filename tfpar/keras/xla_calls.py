@@ -1,8 +1,9 @@
-"""`jit_compile=True` under a strategy whose replicas each run Keras' step: each replica's
-model call (its forward pass, and with it the backward pass) compiled by XLA on the
-replica's device, as a pure function of the variables' values; the reductions across
-replicas, the optimizer's update, the loss and the metrics stay outside the compiled
-program, where TensorFlow's collectives run.
+"""`jit_compile=True` under a strategy: each replica's model call (its forward pass, and with
+it the backward pass) compiled by XLA on the replica's device, as a pure function of the
+variables' values (data parallelism), or each placed layer's call on its device (model
+parallelism, `layer_call`); the reductions across replicas, the transfers between devices,
+the optimizer's update, the loss and the metrics stay outside the compiled programs, where
+TensorFlow's collectives run.
 
 Keras compiles its whole distributed step as one XLA program when `jit_compile=True`
 (`TensorFlowTrainer._make_function`), which XLA cannot place on several devices ("Trying to

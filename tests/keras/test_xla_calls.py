@@ -1,5 +1,5 @@
 """jit_compile=True under DataParallelStrategy: each replica's model call compiled by XLA on
-its device (`tfpar.keras.replica_xla`), the sums across replicas outside it. (Equal to one
+its device (`tfpar.keras.xla_calls`), the sums across replicas outside it. (Equal to one
 device with jit_compile=True: the conformance rows jit_compile*.)"""
 
 import keras
