@@ -397,6 +397,7 @@ def install_exact_replicas():
 
     for owner, name, wrap in replicas.patches():
         _wrap_once(owner, name, wrap, "_tfpar_exact_replicas")
+    install_model_call_hook()  # (jit_compile=True: the compiled calls, `xla_calls`.)
 
 
 def install_sharded_optimizers():

@@ -755,10 +755,10 @@ def _compiles_per_replica(model):
 
 
 def _compiling_model_calls(model):
-    from tfpar.keras import hooks as keras_hooks
+    # (The model-call hook that runs the compiled calls is installed with these patches:
+    # `hooks.install_exact_replicas`.)
     from tfpar.keras import xla_calls
 
-    keras_hooks.install_model_call_hook()
     return xla_calls.building_plain_step(model)
 
 

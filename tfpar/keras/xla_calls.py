@@ -33,7 +33,6 @@ import tensorflow as tf
 from tfpar.contract import hooks_of
 from tfpar.keras import internals
 from tfpar.keras import models
-from tfpar.keras.replicas import replica_id
 
 _COMPILED = "_tfpar_compiled_per_replica"  # A model's attribute: {key: tf.function}.
 _state = threading.local()  # .inside: a compiled call is being traced (inner models run plain).
@@ -82,7 +81,13 @@ def call(model, model_call, args, kwargs):
         finally:
             _state.layers = previous
     return _run_compiled(model, lambda *a, **k: model_call(model, *a, **k), args, kwargs,
-                         replica_id())
+                         _replica())
+
+
+def _replica():
+    """This replica's index among all replicas in sync (a Python int)."""
+    value = tf.distribute.get_replica_context().replica_id_in_sync_group
+    return value if isinstance(value, int) else int(tf.get_static_value(value))
 
 
 def compiling_layers():
