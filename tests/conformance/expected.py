@@ -176,7 +176,7 @@ BUILT_FIRST = ("documented:the optimizer is built before the first step, as ever
 # (a mean and a summed loss, sample weights, a custom loop, clipping after the sum, loss
 # scaling), within a tolerance of one device.
 COMPRESSION_FEATURES = ["loss_sum_over_batch_size", "loss_sum", "sample_weight", "custom_loop",
-                        "clip_global_norm_one_replica", "mixed_float16"]
+                        "clip_global_norm_one_replica", "mixed_float16", "jit_compile"]
 BF16_GRADIENTS = ("within:0.02:each replica's gradient is rounded to bfloat16 (8 significant "
                   "bits) before the sum, as PyTorch's bf16_compress_hook does (docs: "
                   "data parallelism, compression); checked exactly against an emulation of that rounding in "
@@ -189,7 +189,8 @@ BF16_GRADIENTS = ("within:0.02:each replica's gradient is rounded to bfloat16 (8
 # (semantics.local_sgd_emulation); gradient accumulation is refused.
 LOCAL_SGD_FEATURES = ["loss_sum_over_batch_size", "sample_weight",
                       "clip_global_norm_one_replica", "adamw_recipe", "masked_dense_mean",
-                      "custom_loop", "overflow_one_replica", "gradient_accumulation"]
+                      "custom_loop", "overflow_one_replica", "gradient_accumulation",
+                      "jit_compile"]
 LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x its part of "
                "the loss: its own examples' mean), clipping and decaying its own gradient, "
                "with its own optimizer state; a loss-scale overflow on one replica skips the "
@@ -203,7 +204,8 @@ LOCAL_STEPS = ("documented:each replica steps on its own part of the batch (N x 
 # loop's strategy.run and apply_gradients).
 HALVING_DOUBLING_FEATURES = ["loss_sum_over_batch_size", "sample_weight", "metrics_confusion",
                              "uneven_global_batch", "clip_global_norm_one_replica",
-                             "adamw_recipe", "overflow_one_replica", "custom_loop"]
+                             "adamw_recipe", "overflow_one_replica", "custom_loop",
+                             "jit_compile"]
 # Context parallelism (cp3): the attention model equal; models without attention, or with a
 # layer that mixes positions otherwise, refused before the first step.
 CONTEXT_PARALLEL_FEATURES = ["causal_attention", "masked_dense_mean", "masked_pooling",
@@ -349,6 +351,7 @@ def _expected():
     for f in COMPRESSION_FEATURES:
         cells[f, "dp2_bf16"] = BF16_GRADIENTS
         cells[f, "zero1_bf16"] = cells[f, "pipe_r2k2_bf16"] = BF16_GRADIENTS
+    cells["jit_compile", "pipe_r2k2_bf16"] = "error:ValueError:with jit_compile=True"
     for f in LOCAL_SGD_FEATURES:
         cells[f, "dp2_local"] = LOCAL_STEPS
     for f in HALVING_DOUBLING_FEATURES:
