@@ -65,11 +65,28 @@ def loopback_sent():
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-def bytes_by_task():
+def bytes_by_task(since=None):
     """({task name: [bytes sent, bytes received]}, {(task, peer task): bytes sent}) over the
     TCP sockets of this network namespace (`ss`: each socket's bytes acked and received,
     attributed to its process, named by the TF_CONFIG in its environment, and its peer to
-    the process owning the peer's address; processes without one are "other")."""
+    the process owning the peer's address; processes without one are "other").
+
+    `since`: a `socket_counters()` snapshot; each socket then counts what it carried after
+    it (a socket opened since: all of it). (Totals subtracted instead went negative when
+    gRPC replaced a connection between the snapshots: -29 MiB "per step" measured.)"""
+    sockets = socket_counters()
+    if since is not None:
+        earlier = {(pid, local, peer): (sent, received)
+                   for pid, local, peer, sent, received in since}
+        sockets = [[pid, local, peer, sent - earlier.get((pid, local, peer), (0, 0))[0],
+                    received - earlier.get((pid, local, peer), (0, 0))[1]]
+                   for pid, local, peer, sent, received in sockets]
+    return _by_task(sockets)
+
+
+def socket_counters():
+    """[[pid, local address, peer address, bytes acked, bytes received]] of this network
+    namespace's TCP sockets (`ss -tinpH`)."""
     import re
     import subprocess as sp
 
@@ -88,6 +105,10 @@ def bytes_by_task():
         if current is not None:
             current[3] += int(sent[1]) if sent else 0
             current[4] += int(received[1]) if received else 0
+    return sockets
+
+
+def _by_task(sockets):
     owner = {local: pid for pid, local, _, _, _ in sockets if pid is not None}
     names = {}
 
@@ -142,15 +163,13 @@ def measure(layout, args):
     # (under stock MirroredStrategy too), which doubles each replica's work at R=2.
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     model.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
-    before, (tasks_before, pairs_before) = loopback_sent(), bytes_by_task()
+    before, sockets = loopback_sent(), socket_counters()
     model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
     sent = (loopback_sent() - before) / args.steps
-    tasks_after, pairs_after = bytes_by_task()
-    per_task = {name: [(a - b) / args.steps for a, b in zip(
-        tasks_after[name], tasks_before.get(name, [0, 0]))] for name in tasks_after}
-    per_pair = {f"{a} -> {b}": (sent - pairs_before.get((a, b), 0)) / args.steps
-                for (a, b), sent in pairs_after.items()
-                if sent - pairs_before.get((a, b), 0) > 0}
+    tasks, pairs = bytes_by_task(since=sockets)
+    per_task = {name: [b / args.steps for b in both] for name, both in tasks.items()}
+    per_pair = {f"{a} -> {b}": bytes_ / args.steps for (a, b), bytes_ in pairs.items()
+                if bytes_ > 0}
     boundary = 4 * args.width * args.global_batch // r // args.micro_batches
     replica_input = x.nbytes // r  # What a tensor-parallel first stage all-gathers.
     formula = communication.layout_step_bytes(

@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from _common import command_line, write_json  # noqa: E402
-from hybrid_traffic import bytes_by_task  # noqa: E402
+from hybrid_traffic import bytes_by_task, socket_counters  # noqa: E402
 
 HIDDEN, LAYERS, VOCABULARY = 64, 2, 256
 
@@ -68,18 +68,17 @@ def task(args):
     y = np.roll(tokens, -1, axis=1)
     tfpar.reset_memory_peaks()
     model.fit(x, y, batch_size=1, epochs=1, steps_per_epoch=1, verbose=0)  # Traced.
-    before = bytes_by_task()[0] if index == 0 else {}
+    before = socket_counters() if index == 0 else None
     start = time.perf_counter()
     loss = model.fit(x, y, batch_size=1, epochs=1, verbose=0).history["loss"][0]
     seconds = (time.perf_counter() - start) / args.steps
-    after = bytes_by_task()[0] if index == 0 else {}
+    after = bytes_by_task(since=before)[0] if index == 0 else {}
     memory = tfpar.process_memory()
     with open(os.path.join(args.dir, f"worker-{index}.json"), "w") as f:
         json.dump({"seconds_per_step": seconds, "loss": loss,
                    "allocator_peak": memory.allocator_peak_bytes,
                    "resident_peak": memory.rss_peak_bytes,
-                   "sent_per_step": {task: (sent - before.get(task, [0, 0])[0]) / args.steps
-                                     for task, (sent, _) in after.items()},
+                   "sent_per_step": {task: sent / args.steps for task, (sent, _) in after.items()},
                    "parameters": model.count_params()}, f)
     del tf
 
