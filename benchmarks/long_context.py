@@ -14,11 +14,12 @@ worker's TensorFlow allocator peak and resident peak, and the bytes each worker 
 benchmarks/results/long_context.json.
 
 What to expect: context parallelism divides the activations of each position's layers
-(O(L/C) per device); attention runs by blocks of keys with a recomputing backward
+(O(L/C) per device); attention runs by blocks of keys, a loop, with a recomputing backward
 (`tfpar.distribute.context.blockwise_attention`), so a device holds its L/C queries against one
 block of keys at a time, plus the whole sequence's keys and values. C = 1 is plain Keras
-(attention's whole L x L scores): the longest length grows faster than C from C = 1 to 2 (the
-blocks), about as C from 2 to 4. (Before session 32 attention kept L/C x L scores: sqrt(C),
+(attention's whole L x L scores). Session 33: C=1 3,072; C=2 and C=4 every length tried up to
+65,536, allocator peaks halved by C at each length. (Unrolled blocks: 24,576 for both,
+`results/long_context_unrolled.json`; before blockwise attention, sqrt(C):
 `results/long_context_gathered.json`.)
 """
 
