@@ -43,6 +43,10 @@ class StrategyHooks:
     _tfpar_every_worker_saves = False
     # Made by tfpar for a keras.distribution.DataParallel (tfpar.use_keras_distribution).
     _tfpar_from_keras = False
+    # jit_compile=True compiles, instead of Keras' whole step (`tfpar.keras.xla_calls`),
+    # each replica's model call ("replica") or each placed layer's call ("layer"); None:
+    # Keras' own (refused by `_tfpar_xla_refusal` where it cannot run).
+    _tfpar_xla_unit = None
     # ZeRO's owners of each variable's state (`tfpar.distribute.zero.zero_owners.ShardOwners`).
     _tfpar_shard_owners = None
     # ZeRO's collectives across workers
@@ -62,10 +66,6 @@ class StrategyHooks:
     _tfpar_train_step = None
     # (model) -> an error message, or None: refuse `jit_compile=True` before a step.
     _tfpar_xla_refusal = None
-    # jit_compile=True compiles, instead of Keras' whole step (`tfpar.keras.xla_calls`),
-    # each replica's model call ("replica") or each placed layer's call ("layer"); None:
-    # Keras' own (refused by `_tfpar_xla_refusal` where it cannot run).
-    _tfpar_xla_unit = None
     # (model, step_function) -> an error message, or None: refuse a step before it is built.
     _tfpar_step_refusal = None
     # (optimizer, grads, variables, learning_rate, ...) -> None: ZeRO's sharded update.
