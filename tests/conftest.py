@@ -319,3 +319,17 @@ def graph_operations(graph):
             if function is not None and getattr(function, "graph", None) is not None:
                 found += graph_operations(function.graph)
     return found
+
+
+def gpt2_language_model(length, vocabulary):
+    """A small keras-hub GPT-2 (2 blocks, 2 heads, hidden 8, no dropout) on `length` tokens
+    with a Dense head over `vocabulary`, not compiled; its inputs `token_ids` and
+    `padding_mask`. (keras-hub must be installed: callers skip without it.)"""
+    import keras
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary, num_layers=2, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=length, dropout=0.0)
+    inputs = {k: keras.Input((length,), dtype="int32", name=k) for k in backbone.input}
+    return keras.Model(inputs, keras.layers.Dense(vocabulary)(backbone(inputs)))

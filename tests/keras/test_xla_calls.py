@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tfpar
 
-from conftest import cpus
+from conftest import cpus, gpt2_language_model
 
 
 class NotCompilable(keras.layers.Layer):
@@ -163,7 +163,7 @@ def test_steps_per_execution_and_accumulation_equal_one_device_compiled(option, 
 
 def test_a_keras_hub_decoder_with_padding_equals_one_device_compiled():
     """GPT-2 (its causal-and-padding masks made inside the compiled call), ZeRO-3."""
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
     length, vocabulary = 16, 64
     rng = np.random.default_rng(0)
     padding = np.ones((16, length), "int32")
@@ -175,11 +175,7 @@ def test_a_keras_hub_decoder_with_padding_equals_one_device_compiled():
     def fit(strategy):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            backbone = keras_hub.models.GPT2Backbone(
-                vocabulary_size=vocabulary, num_layers=2, num_heads=2, hidden_dim=8,
-                intermediate_dim=16, max_sequence_length=length, dropout=0.0)
-            inputs = {k: keras.Input((length,), dtype="int32", name=k) for k in backbone.input}
-            model = keras.Model(inputs, keras.layers.Dense(vocabulary)(backbone(inputs)))
+            model = gpt2_language_model(length, vocabulary)
             model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True), jit_compile=True)
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfpar
-from conftest import cpus, graph_operations
+from conftest import cpus, gpt2_language_model, graph_operations
 from tfpar.plan import context_parallel as plan
 
 from multi_worker_common import SEQUENCE_BATCH as BATCH  # noqa: E402
@@ -156,17 +156,13 @@ def test_keras_hubs_gpt2_with_left_padding_trains_as_one_device_on_4_replicas(mo
     The attention makes its mask by blocks (of 8 keys here): the whole one is never read."""
     from tfpar.distribute.context import sequence_split
 
-    keras_hub = pytest.importorskip("keras_hub")
+    pytest.importorskip("keras_hub")
     length = 16
     monkeypatch.setattr(sequence_split, "ATTENTION_BLOCK", length // 2)
 
     def make():
         keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=VOCABULARY, num_layers=2, num_heads=2, hidden_dim=8,
-            intermediate_dim=16, max_sequence_length=length, dropout=0.0)
-        inputs = {k: keras.Input((length,), dtype="int32", name=k) for k in backbone.input}
-        model = keras.Model(inputs, keras.layers.Dense(VOCABULARY)(backbone(inputs)))
+        model = gpt2_language_model(length, VOCABULARY)
         model.compile(keras.optimizers.SGD(0.5),
                       keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
