@@ -62,6 +62,7 @@ from tfpar.keras import models
 from tfpar.keras import ps_state
 from tfpar.keras import steps
 from tfpar.keras import zero_optimizers
+from tfpar.keras import xla_calls
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 _local = threading.local()
@@ -729,7 +730,6 @@ def _refused_before_the_first_step(keras_make_function):
         message = refusal(self) if refusal is not None and self.jit_compile else None
         if message and not self.run_eagerly:
             raise ValueError(message)
-        per_replica = _compiles_per_replica(self)
         refusal = hooks_of(strategy)._tfpar_step_refusal
         message = refusal(self, step_function) if refusal is not None else None
         if message:
@@ -738,8 +738,8 @@ def _refused_before_the_first_step(keras_make_function):
             message = optimizer_refusal(strategy, self, self.optimizer)
             if message:
                 raise ValueError(message)
-        if per_replica:
-            with _compiling_model_calls(self):
+        if _compiles_per_replica(self):
+            with xla_calls.building_plain_step(self):
                 return keras_make_function(self, step_function)
         return keras_make_function(self, step_function)
 
@@ -748,18 +748,11 @@ def _refused_before_the_first_step(keras_make_function):
 
 def _compiles_per_replica(model):
     """Whether `jit_compile=True` compiles each replica's model call (not Keras' whole step)
-    under the model's strategy (`tfpar.keras.xla_calls`)."""
+    under the model's strategy (`tfpar.keras.xla_calls`; the model-call hook that runs the
+    compiled calls is installed with these patches, `hooks.install_exact_replicas`)."""
     strategy = internals.attr(model, "_distribute_strategy")
     return bool(model.jit_compile and not model.run_eagerly
                 and hooks_of(strategy)._tfpar_xla_unit)
-
-
-def _compiling_model_calls(model):
-    # (The model-call hook that runs the compiled calls is installed with these patches:
-    # `hooks.install_exact_replicas`.)
-    from tfpar.keras import xla_calls
-
-    return xla_calls.building_plain_step(model)
 
 
 def _predict_compiled_per_replica(keras_make_predict_function):
@@ -771,7 +764,7 @@ def _predict_compiled_per_replica(keras_make_predict_function):
     @functools.wraps(keras_make_predict_function)
     def make_predict_function(self, force=False):
         if _compiles_per_replica(self):
-            with _compiling_model_calls(self):
+            with xla_calls.building_plain_step(self):
                 return keras_make_predict_function(self, force=force)
         return keras_make_predict_function(self, force=force)
 
