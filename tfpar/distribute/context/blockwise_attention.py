@@ -55,8 +55,6 @@ def attention(query, key, value, mask=None, scale=1.0, block=512, masked_rows="z
     if mask is not None:
         mask = tf.cast(mask, tf.bool)
         keep = lambda start, end: mask[..., start:end]  # noqa: E731
-    elif keep is None and padded:  # Only the padding keys are masked.
-        keep = lambda start, end: tf.ones([1, 1, end - start], tf.bool)  # noqa: E731
     has_mask = keep is not None
 
     def visible_in(i):
