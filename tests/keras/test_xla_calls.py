@@ -185,3 +185,28 @@ def test_a_keras_hub_decoder_with_padding_equals_one_device_compiled():
     got = fit(tfpar.DataParallelStrategy(cpus(2), shard="parameters"))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=2e-5)  # (Measured 1.8e-6.)
+
+
+def test_a_layer_frozen_after_fit_and_compiled_again_equals_one_device():
+    """The compiled call is made again for the new trainable variables (a stale one mapped
+    the frozen kernel's place to the next layer's value: a shape error at the second fit)."""
+    x, y = _data()
+
+    def fit(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"),
+                                      keras.layers.Dense(3, name="b")])
+        for frozen in (False, True):
+            model.layers[0].trainable = not frozen
+            with strategy.scope():
+                model.compile(keras.optimizers.Adam(0.01),
+                              keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                              jit_compile=True)
+            model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        return model.get_weights()
+
+    want = fit(tf.distribute.get_strategy())
+    got = fit(tfpar.DataParallelStrategy(cpus(2)))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-6)

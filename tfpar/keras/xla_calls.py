@@ -34,7 +34,8 @@ from tfpar.contract import hooks_of
 from tfpar.keras import internals
 from tfpar.keras import models
 
-_COMPILED = "_tfpar_compiled_per_replica"  # A model's attribute: {key: tf.function}.
+# A model's (or placed layer's) attribute: {key: (tf.function, written indices, variables)}.
+_COMPILED = "_tfpar_compiled_per_replica"
 _state = threading.local()  # .inside: a compiled call is being traced (inner models run plain).
 
 
@@ -138,8 +139,11 @@ def _compiled(owner, fn, trainable, state, key):
     if not isinstance(functions, dict):
         functions = {}
         object.__setattr__(owner, _COMPILED, functions)  # (Not tracked by Keras.)
-    if key in functions:
-        return functions[key]
+    # Made again when other variables are trainable: a layer frozen and the model compiled
+    # again (a stale function mapped a kernel to another variable's value).
+    variables = (tuple(id(v) for v in trainable), tuple(id(v) for v in state))
+    if key in functions and functions[key][2] == variables:
+        return functions[key][:2]
     written_indices = []
 
     def pure(values, state_values, args, kwargs):
@@ -159,8 +163,8 @@ def _compiled(owner, fn, trainable, state, key):
         return outputs, masks, [current[i] for i in written_indices], losses
 
     compiled = tf.function(pure, jit_compile=True, reduce_retracing=True)
-    functions[key] = (compiled, lambda: list(written_indices))
-    return functions[key]
+    functions[key] = (compiled, lambda: list(written_indices), variables)
+    return functions[key][:2]
 
 
 @contextlib.contextmanager
